@@ -1,0 +1,116 @@
+"""Small shared helpers: logging, metrics files, device and precision choice."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+
+def get_logger(stage: str) -> logging.Logger:
+    """A logger whose lines say which stage is talking; only rank 0 logs at INFO."""
+    log = logging.getLogger(f"agentrl.{stage}")
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter(f"%(asctime)s [{stage}] %(levelname)s %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+        log.propagate = False
+    log.setLevel(logging.INFO if is_main_process() else logging.WARNING)
+    return log
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Atomic JSON write (tmp + rename) so an interrupted stage never leaves a broken metrics file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def resolve_precision(precision: str) -> str:
+    """'auto' -> fp32 on CPU (TRL's bf16 autocast is ~10x slower there), bf16 on GPUs that
+    support it, fp16 on older GPUs. Explicit values are honoured."""
+    if precision != "auto":
+        return precision
+    if not torch.cuda.is_available():
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def precision_kwargs(precision: str) -> dict:
+    """TrainingArguments flags for a resolved precision."""
+    p = resolve_precision(precision)
+    return {"bf16": p == "bf16", "fp16": p == "fp16"}
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[resolve_precision(precision)]
+
+
+def effective_batch(per_device: int, grad_accum: int) -> int:
+    return per_device * grad_accum * world_size()
+
+
+def scaled_learning_rate(lr: float, rule: str, effective: int, reference: int) -> float:
+    """The book's rule: scale the learning rate with the effective batch against a reference batch."""
+    if rule == "none":
+        return lr
+    ratio = effective / reference
+    return lr * (ratio ** 0.5 if rule == "sqrt" else ratio)
+
+
+def fingerprint(*parts: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_digest(path: str | Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
+    """The last checkpoint in output_dir if it was written by a run with the same fingerprint `key`;
+    otherwise the directory is cleared (a changed config must not resume a stale run)."""
+    import shutil
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = Path(output_dir)
+    stamp = output_dir / "fingerprint.txt"
+    if output_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != key):
+        if is_main_process():
+            shutil.rmtree(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if is_main_process():
+        stamp.write_text(key + "\n")
+    return get_last_checkpoint(str(output_dir))

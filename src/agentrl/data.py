@@ -1,0 +1,244 @@
+"""Data: the embedded synthetic GSM8K-style generator, GSM8K row parsing and quality checks.
+
+All three sources (synthetic, gsm8k from the hub, local jsonl) yield raw GSM8K rows
+`{"question": ..., "answer": "<reasoning>\\n#### <number>"}` and go through the same parser.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+from .rewards import normalize_number, strip_calculator_annotations
+
+# ------------------------------------------------------------------------- synthetic generator
+NAMES = [
+    ("Tom", "he", "his"), ("Anna", "she", "her"), ("Liam", "he", "his"), ("Mia", "she", "her"),
+    ("Noah", "he", "his"), ("Emma", "she", "her"), ("Omar", "he", "his"), ("Sara", "she", "her"),
+    ("Ivan", "he", "his"), ("Lena", "she", "her"), ("Ravi", "he", "his"), ("Yuki", "she", "her"),
+    ("Paul", "he", "his"), ("Nina", "she", "her"), ("Carl", "he", "his"), ("Zoe", "she", "her"),
+]
+ITEMS = [
+    "apples", "books", "coins", "stamps", "marbles", "pencils", "cookies", "shells",
+    "cards", "stickers", "eggs", "flowers", "toys", "candies", "balls", "beads",
+]
+ADD = ["{P} buys {b} more {items}.", "{P} finds {b} more {items}.", "A friend gives {o} {b} more {items}."]
+SUB = ["{P} gives away {b} {items}.", "{P} loses {b} {items}.", "{P} sells {b} {items}."]
+MUL = ["Then {p} gets {b} times as many {items} as {p} has.", "The number of {items} {p} has grows {b} times."]
+ADD_SOL = "{Name} now has {x}+{b}=<<{x}+{b}={y}>>{y} {items}."
+SUB_SOL = "{Name} now has {x}-{b}=<<{x}-{b}={y}>>{y} {items}."
+MUL_SOL = "{Name} now has {x}*{b}=<<{x}*{b}={y}>>{y} {items}."
+MULTIPLIER_MAX = 5  # "b times as many": keeps products in a range a tiny model can learn
+
+
+def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str]) -> dict:
+    name, p, o = rng.choice(NAMES)
+    items = rng.choice(ITEMS)
+    x = rng.randint(max(lo, 1), hi)
+    fmt = dict(Name=name, P=p.capitalize(), p=p, o="him" if p == "he" else "her", items=items)
+    question = [f"{name} has {x} {items}."]
+    solution = []
+    for _ in range(steps):
+        choices = [op for op in ops if op != "-" or x - max(lo, 1) >= 0]
+        op = rng.choice(choices)
+        if op == "+":
+            b = rng.randint(max(lo, 1), hi)
+            y, q, s = x + b, rng.choice(ADD), ADD_SOL
+        elif op == "-":
+            b = rng.randint(max(lo, 1), min(hi, x))
+            y, q, s = x - b, rng.choice(SUB), SUB_SOL
+        else:
+            b = rng.randint(2, max(2, min(hi, MULTIPLIER_MAX)))
+            y, q, s = x * b, rng.choice(MUL), MUL_SOL
+        question.append(q.format(b=b, **fmt))
+        solution.append(s.format(x=x, b=b, y=y, **fmt))
+        x = y
+    question.append(f"How many {items} does {name} have now?")
+    return {"question": " ".join(question), "answer": "\n".join(solution) + f"\n#### {x}", "steps": steps}
+
+
+def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: int, operand_max: int,
+                       operations: list[str], steps: dict[int, float]) -> tuple[list[dict], list[dict]]:
+    """Seeded GSM8K-format problems; train and test questions are unique and disjoint."""
+    rng = random.Random(seed)
+    step_values, weights = list(steps), [steps[k] for k in steps]
+    seen: set[str] = set()
+    rows: list[dict] = []
+    target = num_train + num_test
+    attempts = 0
+    while len(rows) < target:
+        attempts += 1
+        if attempts > 50 * target + 1000:
+            raise ValueError(
+                f"data.synthetic: could only generate {len(rows)} unique problems of {target} requested; "
+                "widen the operand range or ask for fewer"
+            )
+        row = _one_problem(rng, rng.choices(step_values, weights)[0], operand_min, operand_max, operations)
+        if row["question"] in seen:
+            continue
+        seen.add(row["question"])
+        rows.append(row)
+    return rows[:num_train], rows[num_train:]
+
+
+# ---------------------------------------------------------------------------- parsing, checks
+@dataclass
+class RawRow:
+    source: str  # file or dataset name
+    line: int    # 1-based line / row number in source
+    data: object
+
+
+@dataclass
+class Example:
+    id: str
+    question: str
+    reasoning: str
+    final: str
+    answer: str
+    steps: int
+    source: str
+    line: int
+
+
+@dataclass
+class BadRow:
+    source: str
+    line: int
+    reason: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}: {self.reason}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class CheckResult:
+    examples: list[Example] = field(default_factory=list)
+    bad: list[BadRow] = field(default_factory=list)
+
+
+def stable_id(split: str, question: str) -> str:
+    return f"{split}-{hashlib.sha1(question.strip().encode()).hexdigest()[:12]}"
+
+
+def read_jsonl(path: str | Path) -> Iterator[RawRow]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: file not found")
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield RawRow(str(path), i, json.loads(line))
+            except json.JSONDecodeError as e:
+                yield RawRow(str(path), i, BadRow(str(path), i, "invalid_json", str(e)))
+
+
+def parse_row(raw: RawRow, split: str, strip_annotations: bool) -> Example | BadRow:
+    """One GSM8K row -> Example, or the reason it is unusable."""
+    if isinstance(raw.data, BadRow):
+        return raw.data
+    d = raw.data
+    if not isinstance(d, dict):
+        return BadRow(raw.source, raw.line, "not_an_object", type(d).__name__)
+    for key in ("question", "answer"):
+        if key not in d:
+            return BadRow(raw.source, raw.line, "missing_field", key)
+        if not isinstance(d[key], str) or not d[key].strip():
+            return BadRow(raw.source, raw.line, "empty_value", key)
+    question, answer = d["question"].strip(), d["answer"].strip()
+    if "####" not in answer:
+        return BadRow(raw.source, raw.line, "missing_final_answer", "answer has no '####'")
+    reasoning, _, final_raw = answer.rpartition("####")
+    final = normalize_number(final_raw)
+    if final is None:
+        return BadRow(raw.source, raw.line, "non_numeric_answer", final_raw.strip()[:40])
+    reasoning = reasoning.strip()
+    steps = int(d["steps"]) if isinstance(d.get("steps"), int) else max(1, reasoning.count("<<"))
+    if strip_annotations:
+        reasoning = strip_calculator_annotations(reasoning)
+    return Example(stable_id(split, question), question, reasoning, final, answer, steps, raw.source, raw.line)
+
+
+def check_rows(rows: Iterable[RawRow], split: str, strip_annotations: bool,
+               exclude_questions: Optional[set[str]] = None) -> CheckResult:
+    """Parse and quality-check one split: fields, empties, numeric answers, duplicates, leakage."""
+    out = CheckResult()
+    seen: dict[str, tuple[str, int]] = {}
+    norm = lambda q: " ".join(q.lower().split())  # noqa: E731
+    for raw in rows:
+        ex = parse_row(raw, split, strip_annotations)
+        if isinstance(ex, BadRow):
+            out.bad.append(ex)
+            continue
+        key = norm(ex.question)
+        if key in seen:
+            src, line = seen[key]
+            out.bad.append(BadRow(ex.source, ex.line, "duplicate_question", f"same as {src}:{line}"))
+            continue
+        if exclude_questions is not None and key in exclude_questions:
+            out.bad.append(BadRow(ex.source, ex.line, "train_test_overlap", "question also in the other split"))
+            continue
+        seen[key] = (ex.source, ex.line)
+        out.examples.append(ex)
+    return out
+
+
+def normalized_questions(examples: Iterable[Example]) -> set[str]:
+    return {" ".join(e.question.lower().split()) for e in examples}
+
+
+def seeded_subset(examples: list[Example], n: Optional[int], seed: int) -> list[Example]:
+    """A seeded random subset of n examples (all when n is None or >= len), original order kept."""
+    if n is None or n >= len(examples):
+        return list(examples)
+    keep = sorted(random.Random(seed).sample(range(len(examples)), n))
+    return [examples[i] for i in keep]
+
+
+# ---------------------------------------------------------------------------------- outputs
+def messages(system_prompt: str, question: str) -> list[dict]:
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return msgs + [{"role": "user", "content": question}]
+
+
+def completion_text(ex: Example) -> str:
+    return f"{ex.reasoning}\n#### {ex.final}" if ex.reasoning else f"#### {ex.final}"
+
+
+def sft_record(ex: Example, system_prompt: str) -> dict:
+    return {"id": ex.id, "prompt": messages(system_prompt, ex.question),
+            "completion": [{"role": "assistant", "content": completion_text(ex)}]}
+
+
+def rl_record(ex: Example, system_prompt: str) -> dict:
+    return {"id": ex.id, "prompt": messages(system_prompt, ex.question), "ground_truth": ex.final}
+
+
+def test_record(ex: Example, system_prompt: str) -> dict:
+    return {"id": ex.id, "question": ex.question, "prompt": messages(system_prompt, ex.question),
+            "ground_truth": ex.final, "answer": ex.answer, "steps": ex.steps}
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
+    """Atomic write: a crash never leaves a half-written file in place of an earlier result."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    n = 0
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            n += 1
+    tmp.replace(path)
+    return n
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,120 @@
+"""Model loading in one place: the tiny Qwen3 + tokenizer builder, hub loading, LoRA configs,
+and loading the policy of any stage (base, sft, grpo, merged) for evaluation and export.
+
+Stage chain on disk:
+  models/base/    full model + tokenizer (tiny: built here; hub: from_pretrained at model.revision)
+  models/sft/     LoRA adapter over models/base (or a full model when sft.use_lora is false)
+  models/grpo/    LoRA adapter over base+SFT merged (the SFT adapter is merged first, then a new
+                  LoRA is trained; see README)
+  models/merged/  base+SFT+GRPO merged, plain transformers model
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from .config import LoraParams, TinyModelParams
+
+MODELS = Path("models")
+STAGE_DIRS = {"base": MODELS / "base", "sft": MODELS / "sft", "grpo": MODELS / "grpo", "merged": MODELS / "merged"}
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+# ------------------------------------------------------------------------------- tiny builder
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with every digit its own token, Qwen-style chat template, pad/eos set."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    fast.model_max_length = 4096
+    return fast
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, p: TinyModelParams, seed: int) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads, head_dim=p.head_dim,
+        max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        rope_theta=10000.0,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+# ---------------------------------------------------------------------------------- loading
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, revision: Optional[str] = None):
+    kw = {"revision": revision} if revision else {}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kw)
+
+
+def is_adapter(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").exists()
+
+
+def attach(model, path: str | Path, merge: bool):
+    """Apply a stage's result on top of `model`: a LoRA adapter (merged or kept) or a full model."""
+    if is_adapter(path):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(path))
+        return model.merge_and_unload() if merge else model
+    return load_model(path, dtype=model.dtype)
+
+
+def load_policy(stage: str, dtype: torch.dtype = torch.float32, merge: bool = True):
+    """(model, tokenizer) of a stage's policy: base, sft, grpo (chain of adapters) or merged."""
+    if stage in ("base", "merged"):
+        return load_model(STAGE_DIRS[stage], dtype), load_tokenizer(STAGE_DIRS[stage])
+    if stage not in ("sft", "grpo"):
+        raise ValueError(f"unknown stage '{stage}'; expected base, sft, grpo or merged")
+    model = load_model(STAGE_DIRS["base"], dtype)
+    model = attach(model, STAGE_DIRS["sft"], merge=(stage == "grpo") or merge)
+    if stage == "grpo":
+        model = attach(model, STAGE_DIRS["grpo"], merge=merge)
+    return model, load_tokenizer(STAGE_DIRS[stage])
+
+
+def lora_config(p: LoraParams):
+    from peft import LoraConfig
+
+    return LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=list(p.target_modules),
+                      bias="none", task_type="CAUSAL_LM")
