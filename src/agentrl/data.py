@@ -28,9 +28,10 @@ ITEMS = [
 ADD = ["{P} buys {b} more {items}.", "{P} finds {b} more {items}.", "A friend gives {o} {b} more {items}."]
 SUB = ["{P} gives away {b} {items}.", "{P} loses {b} {items}.", "{P} sells {b} {items}."]
 MUL = ["Then {p} gets {b} times as many {items} as {p} has.", "The number of {items} {p} has grows {b} times."]
-ADD_SOL = "{Name} now has {x}+{b}=<<{x}+{b}={y}>>{y} {items}."
-SUB_SOL = "{Name} now has {x}-{b}=<<{x}-{b}={y}>>{y} {items}."
-MUL_SOL = "{Name} now has {x}*{b}=<<{x}*{b}={y}>>{y} {items}."
+# One line per step, GSM8K-style calculator annotation included (prepare strips it by default).
+ADD_SOL = "{x}+{b}=<<{x}+{b}={y}>>{y}"
+SUB_SOL = "{x}-{b}=<<{x}-{b}={y}>>{y}"
+MUL_SOL = "{x}*{b}=<<{x}*{b}={y}>>{y}"
 MULTIPLIER_MAX = 5  # "b times as many": keeps products in a range a tiny model can learn
 
 

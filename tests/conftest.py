@@ -1,0 +1,63 @@
+"""Shared fixtures: a miniature configuration of the embedded default that trains in seconds."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K_TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+
+
+def raw_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def mini_params() -> dict:
+    """params.yaml shrunk to seconds: few problems, tiny model, a handful of steps."""
+    p = raw_params()
+    p["data"]["synthetic"].update(num_train=200, num_test=24)
+    p["data"]["eval_max_samples"] = None
+    p["model"]["tiny"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16)
+    p["model"]["pretrain"].update(num_arithmetic_facts=200, epochs=1, batch_size=16)
+    p["sft"].update(max_steps=6, per_device_train_batch_size=8, save_steps=3, logging_steps=1, learning_rate=5e-3)
+    p["grpo"].update(max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
+                     save_steps=1, logging_steps=1, learning_rate=1e-3)
+    p["grpo"]["reward_kwargs"]["length_max"] = 16
+    p["eval"].update(batch_size=8, max_new_tokens=16)
+    p["export"].update(num_verify_prompts=2)
+    p["tracking"]["report_to"] = ["tensorboard", "dvclive"]
+    return p
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty working directory holding a miniature params.yaml; stages write relative paths."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(mini_params()))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write_params(path: Path, params: dict) -> None:
+    path.write_text(yaml.safe_dump(params))
+
+
+@pytest.fixture
+def copy_repo(tmp_path):
+    """A copy of the repository (code, dvc.yaml, params) as a fresh git repo."""
+    dst = tmp_path / "repo"
+    ignore = shutil.ignore_patterns(".venv", ".git", "data", "models", "checkpoints", "eval", "metrics", "dvclive",
+                                    "runs", "wandb", "reports", "sweeps", "__pycache__", ".pytest_cache", "*.egg-info")
+    shutil.copytree(ROOT, dst, ignore=ignore)
+    return dst

@@ -1,0 +1,200 @@
+import json
+import re
+
+import pytest
+
+from agentrl.data import check_rows, generate_synthetic, read_jsonl, RawRow
+from agentrl.rewards import normalize_number
+
+from conftest import GSM8K_TRAIN, mini_params, write_params
+
+
+def _recompute(answer: str) -> int:
+    """Independent check: replay the solution's calculator annotations and compare to '#### N'."""
+    value = None
+    for expr, result in re.findall(r"<<([^=]+)=(-?\d+)>>", answer):
+        computed = eval(expr, {"__builtins__": {}})  # noqa: S307 - digits and + - * only
+        assert computed == int(result), (expr, result)
+        value = computed
+    return value
+
+
+def test_generator_deterministic_and_correct():
+    kw = dict(num_train=300, num_test=50, operand_min=1, operand_max=19, operations=["+", "-", "*"],
+              steps={1: 1, 2: 1, 3: 1})
+    a = generate_synthetic(7, **kw)
+    b = generate_synthetic(7, **kw)
+    c = generate_synthetic(8, **kw)
+    assert a == b
+    assert a != c
+    train, test = a
+    assert len(train) == 300 and len(test) == 50
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    for row in train + test:
+        final = int(row["answer"].rsplit("####", 1)[1])
+        assert _recompute(row["answer"]) == final
+        assert final >= 0
+        # the question states the numbers the solution uses
+        nums = re.findall(r"\d+", row["question"])
+        assert nums, row
+
+
+def test_generator_difficulty_mix_respected():
+    train, _ = generate_synthetic(1, 600, 1, 1, 9, ["+"], {1: 0.0, 3: 1.0})
+    assert {r["steps"] for r in train} == {3}
+    assert all(r["answer"].count("<<") == 3 for r in train)
+
+
+def test_generator_too_narrow_space_fails_clearly():
+    with pytest.raises(ValueError, match="unique problems"):
+        generate_synthetic(1, 5000, 10, 1, 2, ["+"], {1: 1.0})
+
+
+def _rows(*dicts):
+    return [RawRow("fixture.jsonl", i, d) for i, d in enumerate(dicts, 1)]
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"answer": "#### 3"}, "missing_field"),
+        ({"question": "  ", "answer": "#### 3"}, "empty_value"),
+        ({"question": "q?", "answer": ""}, "empty_value"),
+        ({"question": "q?", "answer": "it is 3"}, "missing_final_answer"),
+        ({"question": "q?", "answer": "so\n#### three"}, "non_numeric_answer"),
+        (["not", "an", "object"], "not_an_object"),
+    ],
+)
+def test_each_defect_caught(row, reason):
+    res = check_rows(_rows(row), "train", True)
+    assert not res.examples
+    assert res.bad[0].reason == reason
+    assert "fixture.jsonl:1" in str(res.bad[0])
+
+
+def test_duplicates_and_leakage_caught():
+    rows = _rows({"question": "How many?", "answer": "#### 1"}, {"question": "how  many?", "answer": "#### 1"},
+                 {"question": "In test too", "answer": "#### 2"})
+    res = check_rows(rows, "train", True, exclude_questions={"in test too"})
+    assert [b.reason for b in res.bad] == ["duplicate_question", "train_test_overlap"]
+    assert len(res.examples) == 1
+
+
+def test_invalid_json_line_is_reported(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"question": "a", "answer": "#### 1"}\n{oops\n')
+    res = check_rows(read_jsonl(f), "train", True)
+    assert len(res.examples) == 1 and res.bad[0].reason == "invalid_json" and res.bad[0].line == 2
+
+
+def test_gsm8k_answer_parsing():
+    row = {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+           "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 1,072"}
+    ex = check_rows(_rows(row), "train", True).examples[0]
+    assert ex.final == "1072"
+    assert "<<" not in ex.reasoning and "24 clips" in ex.reasoning
+    kept = check_rows(_rows(row), "train", False).examples[0]
+    assert "<<48/2=24>>" in kept.reasoning
+
+
+@pytest.mark.skipif(not GSM8K_TRAIN.exists(), reason="../shared/data/gsm8k/train.jsonl is absent")
+def test_real_gsm8k_train_parses_completely():
+    res = check_rows(read_jsonl(GSM8K_TRAIN), "train", True)
+    assert len(res.examples) == 7473, [str(b) for b in res.bad[:5]]
+    assert not res.bad
+    assert all(normalize_number(e.final) == e.final for e in res.examples)
+    assert all("<<" not in e.reasoning for e in res.examples)
+
+
+def _prepare(workdir, **data_overrides):
+    from agentrl import prepare
+    from agentrl.config import load_params
+
+    p = mini_params()
+    p["data"].update(data_overrides)
+    write_params(workdir / "params.yaml", p)
+    return prepare.prepare(load_params(workdir / "params.yaml"))
+
+
+def _read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_prepare_outputs(workdir):
+    m = _prepare(workdir, max_samples=50, eval_max_samples=10)
+    sft, rl, test = (_read(workdir / "data/prepared" / f) for f in ("sft_train.jsonl", "rl_train.jsonl", "test.jsonl"))
+    assert len(sft) == len(rl) == 50 and len(test) == 10
+    assert m["written"] == {"sft_train": 50, "rl_train": 50, "test": 10}
+    assert sft[0]["prompt"][-1]["role"] == "user" and sft[0]["completion"][0]["role"] == "assistant"
+    assert sft[0]["completion"][0]["content"].rstrip().split("####")[-1].strip() == rl[0]["ground_truth"]
+    assert [r["id"] for r in sft] == [r["id"] for r in rl]
+    assert len({r["id"] for r in sft + test}) == 60
+    assert {"id", "question", "ground_truth", "answer"} <= set(test[0])
+    assert json.loads((workdir / "metrics/prepare.json").read_text())["dropped"]["total"] == 0
+
+
+def test_subset_is_seeded_random_not_first_n(workdir):
+    _prepare(workdir, max_samples=20)
+    first = [r["id"] for r in _read(workdir / "data/prepared/sft_train.jsonl")]
+    _prepare(workdir, max_samples=20)
+    assert first == [r["id"] for r in _read(workdir / "data/prepared/sft_train.jsonl")]
+    _prepare(workdir, max_samples=None)
+    all_ids = [r["id"] for r in _read(workdir / "data/prepared/sft_train.jsonl")]
+    assert first != all_ids[:20]
+
+
+def _write_gsm8k(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+GOOD = [{"question": f"Sam has {i} pens and buys {i + 1} more. How many pens?",
+         "answer": f"Sam has {i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1} pens.\n#### {2 * i + 1}"} for i in range(30)]
+
+
+def test_jsonl_source_keeps_every_valid_row(workdir):
+    _write_gsm8k(workdir / "train.jsonl", GOOD[:20])
+    _write_gsm8k(workdir / "test.jsonl", GOOD[20:])
+    m = _prepare(workdir, source="jsonl", train_file="train.jsonl", test_file="test.jsonl", eval_max_samples=None)
+    assert m["written"] == {"sft_train": 20, "rl_train": 20, "test": 10}
+
+
+def test_bad_rows_error_lists_file_line_reason(workdir):
+    from agentrl.prepare import BadRowsError
+
+    _write_gsm8k(workdir / "train.jsonl", GOOD[:5] + [{"question": "x", "answer": "no final"}] + [GOOD[0]])
+    _write_gsm8k(workdir / "test.jsonl", GOOD[20:22])
+    with pytest.raises(BadRowsError) as e:
+        _prepare(workdir, source="jsonl", train_file="train.jsonl", test_file="test.jsonl")
+    msg = str(e.value)
+    assert "train.jsonl:6: missing_final_answer" in msg and "train.jsonl:7: duplicate_question" in msg
+    assert not (workdir / "data").exists()
+
+
+def test_bad_rows_drop_counts_them(workdir):
+    _write_gsm8k(workdir / "train.jsonl", GOOD[:5] + [{"question": "x", "answer": "#### n/a"}, GOOD[20]])
+    _write_gsm8k(workdir / "test.jsonl", GOOD[20:22])
+    m = _prepare(workdir, source="jsonl", train_file="train.jsonl", test_file="test.jsonl", on_bad_rows="drop",
+                 eval_max_samples=None)
+    assert m["dropped"]["train"] == {"non_numeric_answer": 1, "train_test_overlap": 1}
+    assert m["written"]["sft_train"] == 5
+
+
+def test_gsm8k_and_jsonl_sources_identical(workdir, monkeypatch):
+    """The hub path (datasets.load_dataset patched: no hub here) gives the same rows as local files."""
+    import datasets
+
+    _write_gsm8k(workdir / "train.jsonl", GOOD[:20])
+    _write_gsm8k(workdir / "test.jsonl", GOOD[20:])
+    _prepare(workdir, source="jsonl", train_file="train.jsonl", test_file="test.jsonl", eval_max_samples=None)
+    local = {f: _read(workdir / "data/prepared" / f) for f in ("sft_train.jsonl", "rl_train.jsonl", "test.jsonl")}
+    calls = []
+
+    def fake_load_dataset(name, config, revision=None):
+        calls.append((name, config, revision))
+        return {"train": datasets.Dataset.from_list(GOOD[:20]), "test": datasets.Dataset.from_list(GOOD[20:])}
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    _prepare(workdir, source="gsm8k", eval_max_samples=None)
+    assert calls == [("openai/gsm8k", "main", None)]
+    hub = {f: _read(workdir / "data/prepared" / f) for f in local}
+    assert hub == local
