@@ -14,7 +14,8 @@ MODEL ?= models/merged
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup repro test test-all serve report bench loadtest train-ddp train-zero2 train-zero3 clean help
+.PHONY: setup repro test test-all serve report bench loadtest train-ddp train-zero2 train-zero3 \
+	train-zero3-offload train-multinode clean help
 
 help:
 	@echo "make repro   - install pinned deps into $(VENV) and run the DVC pipeline (dvc repro)"
@@ -50,8 +51,27 @@ loadtest: setup
 report: setup
 	python -m agentrl.report
 
-train-ddp train-zero2 train-zero3: setup
-	python scripts/train_distributed.py --config configs/accelerate/$(subst train-,,$@).yaml --nproc $(NPROC)
+# Run the pipeline (sft and grpo under `accelerate launch`, then evaluation) with NPROC processes.
+# A workspace `dvc exp run`: the chosen config is recorded in params.yaml and the experiment.
+DDP_CONFIG := $(if $(shell nvidia-smi -L 2>/dev/null),ddp,ddp_cpu)
+train-ddp: ACCEL = $(DDP_CONFIG)
+train-zero2: ACCEL = zero2
+train-zero3: ACCEL = zero3
+train-zero3-offload: ACCEL = zero3_offload
+train-ddp train-zero2 train-zero3 train-zero3-offload: setup
+	dvc exp run -S distributed.accelerate_config=configs/accelerate/$(ACCEL).yaml \
+	  -S distributed.num_processes=$(NPROC) $(DVC_EXP_ARGS)
+
+# Multi-node: run on every node with its MACHINE_RANK; MAIN_IP/MAIN_PORT name rank 0's address.
+MACHINE_RANK ?= 0
+NUM_MACHINES ?= 2
+MAIN_IP ?= 127.0.0.1
+MAIN_PORT ?= 29500
+STAGE ?= sft
+train-multinode: setup
+	accelerate launch --config_file configs/accelerate/multi_node.yaml --num_machines $(NUM_MACHINES) \
+	  --num_processes $(NPROC) --machine_rank $(MACHINE_RANK) --main_process_ip $(MAIN_IP) \
+	  --main_process_port $(MAIN_PORT) -m agentrl.$(STAGE)
 
 clean:
 	rm -rf data/prepared models checkpoints eval metrics dvclive runs wandb reports

@@ -72,7 +72,7 @@ def test_grpo_changes_adapter_and_logs_rewards(trained, monkeypatch):
     changed = [k for k, v in trained["before"].items() if not torch.equal(v, after[k])]
     assert changed, "GRPO did not change any weight"
     # rewards were logged to the trackers (dvclive plots, tensorboard events)
-    assert (trained["dir"] / "dvclive/grpo/plots/metrics/train/reward.tsv").exists()
+    assert (trained["dir"] / "dvclive/grpo/plots/metrics/reward.tsv").exists()
     assert list((trained["dir"] / "runs/grpo").rglob("events.out.tfevents*"))
 
 

@@ -25,22 +25,24 @@ log = get_logger("base")
 METRICS = "metrics/base.json"
 
 
-def arithmetic_facts(n: int, lo: int, hi: int, seed: int) -> list[str]:
-    """Random facts in the notation of the solutions: 'x+b=y', 'x-b=y', 'x*b=y'."""
+def arithmetic_facts(n: int, lo: int, hi: int, max_value: int, seed: int) -> list[str]:
+    """Random facts in the notation of the solutions ('x+b=y', 'x-b=y', 'x*b=y') over the values the
+    task uses: x in [0, max_value], b in [lo, hi] (multipliers 2..MULTIPLIER_MAX), results <= max_value."""
     rng = random.Random(seed)
-    top = max(hi * MULTIPLIER_MAX * 4, 100)
     out = []
-    for _ in range(n):
+    while len(out) < n:
         op = rng.choice("+-*")
         if op == "*":
-            x, b = rng.randint(lo, max(lo, top // MULTIPLIER_MAX)), rng.randint(2, max(2, min(hi, MULTIPLIER_MAX)))
+            b = rng.randint(2, max(2, min(hi, MULTIPLIER_MAX)))
+            x = rng.randint(max(lo, 1), max(max(lo, 1), max_value // b))
             out.append(f"{x}*{b}={x * b}")
         elif op == "+":
-            x, b = rng.randint(lo, top), rng.randint(max(lo, 1), hi)
+            b = rng.randint(max(lo, 1), hi)
+            x = rng.randint(0, max(0, max_value - b))
             out.append(f"{x}+{b}={x + b}")
         else:
-            x = rng.randint(max(lo, 1), top)
-            b = rng.randint(max(lo, 1), min(hi, x))
+            x = rng.randint(max(lo, 1), max_value)
+            b = rng.randint(max(lo, 1), max(max(lo, 1), min(hi, x)))
             out.append(f"{x}-{b}={x - b}")
     return out
 
@@ -80,7 +82,8 @@ def build_tiny(params: Params) -> dict:
     sft = load_jsonl("data/prepared/sft_train.jsonl")
     questions = [r["prompt"][-1]["content"] for r in sft]
     syn = params.data.synthetic
-    facts = arithmetic_facts(params.model.pretrain.num_arithmetic_facts, syn.operand_min, syn.operand_max, params.seed)
+    facts = arithmetic_facts(params.model.pretrain.num_arithmetic_facts, syn.operand_min, syn.operand_max,
+                             syn.max_value, params.seed)
     tok_text = questions + [r["completion"][0]["content"] for r in sft] + [r["prompt"][0]["content"] for r in sft[:1]]
     tokenizer = train_tokenizer(tok_text + facts, params.model.tiny.vocab_size)
     model = build_tiny_model(tokenizer, params.model.tiny, params.seed)

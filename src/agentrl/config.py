@@ -28,6 +28,7 @@ class SyntheticParams(Strict):
     num_test: int = Field(500, ge=1)
     operand_min: int = Field(1, ge=0)
     operand_max: int = Field(19, ge=1)
+    max_value: int = Field(99, ge=2)
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
     steps: dict[int, float] = Field(default_factory=lambda: {1: 0.35, 2: 0.45, 3: 0.2})
 
@@ -49,6 +50,8 @@ class SyntheticParams(Strict):
     def _range(self) -> "SyntheticParams":
         if self.operand_min > self.operand_max:
             raise ValueError(f"operand_min ({self.operand_min}) must be <= operand_max ({self.operand_max})")
+        if self.max_value < self.operand_max:
+            raise ValueError(f"max_value ({self.max_value}) must be >= operand_max ({self.operand_max})")
         return self
 
 

@@ -35,7 +35,7 @@ MUL_SOL = "{x}*{b}=<<{x}*{b}={y}>>{y}"
 MULTIPLIER_MAX = 5  # "b times as many": keeps products in a range a tiny model can learn
 
 
-def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str]) -> dict:
+def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str], max_value: int) -> dict:
     name, p, o = rng.choice(NAMES)
     items = rng.choice(ITEMS)
     x = rng.randint(max(lo, 1), hi)
@@ -43,17 +43,21 @@ def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str
     question = [f"{name} has {x} {items}."]
     solution = []
     for _ in range(steps):
-        choices = [op for op in ops if op != "-" or x - max(lo, 1) >= 0]
-        op = rng.choice(choices)
-        if op == "+":
-            b = rng.randint(max(lo, 1), hi)
-            y, q, s = x + b, rng.choice(ADD), ADD_SOL
-        elif op == "-":
-            b = rng.randint(max(lo, 1), min(hi, x))
-            y, q, s = x - b, rng.choice(SUB), SUB_SOL
+        for _attempt in range(50):  # keep every intermediate value within [0, max_value]
+            op = rng.choice([op for op in ops if op != "-" or x >= max(lo, 1)] or ["+"])
+            if op == "+":
+                b = rng.randint(max(lo, 1), hi)
+                y, q, s = x + b, rng.choice(ADD), ADD_SOL
+            elif op == "-":
+                b = rng.randint(max(lo, 1), min(hi, x))
+                y, q, s = x - b, rng.choice(SUB), SUB_SOL
+            else:
+                b = rng.randint(2, max(2, min(hi, MULTIPLIER_MAX)))
+                y, q, s = x * b, rng.choice(MUL), MUL_SOL
+            if y <= max_value:
+                break
         else:
-            b = rng.randint(2, max(2, min(hi, MULTIPLIER_MAX)))
-            y, q, s = x * b, rng.choice(MUL), MUL_SOL
+            raise ValueError(f"data.synthetic: cannot keep values <= max_value={max_value}; raise it")
         question.append(q.format(b=b, **fmt))
         solution.append(s.format(x=x, b=b, y=y, **fmt))
         x = y
@@ -62,7 +66,8 @@ def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str
 
 
 def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: int, operand_max: int,
-                       operations: list[str], steps: dict[int, float]) -> tuple[list[dict], list[dict]]:
+                       operations: list[str], steps: dict[int, float], max_value: int = 10**9
+                       ) -> tuple[list[dict], list[dict]]:
     """Seeded GSM8K-format problems; train and test questions are unique and disjoint."""
     rng = random.Random(seed)
     step_values, weights = list(steps), [steps[k] for k in steps]
@@ -77,7 +82,8 @@ def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: in
                 f"data.synthetic: could only generate {len(rows)} unique problems of {target} requested; "
                 "widen the operand range or ask for fewer"
             )
-        row = _one_problem(rng, rng.choices(step_values, weights)[0], operand_min, operand_max, operations)
+        row = _one_problem(rng, rng.choices(step_values, weights)[0], operand_min, operand_max, operations,
+                           max_value)
         if row["question"] in seen:
             continue
         seen.add(row["question"])

@@ -12,6 +12,7 @@ rewards.py with the weights in grpo.rewards.
 """
 from __future__ import annotations
 
+import shutil
 import time
 
 from .common import (
@@ -156,8 +157,10 @@ def train(params: Params) -> dict:
         "beta": args.beta,
         "resumed_from": resume,
     }
+    if is_main_process() and STAGE_DIRS["grpo"].exists():
+        shutil.rmtree(STAGE_DIRS["grpo"])  # no stale files from an earlier run
+    trainer.save_model(str(STAGE_DIRS["grpo"]))  # on every rank: ZeRO-3 gathers the shards here
     if is_main_process():
-        trainer.save_model(str(STAGE_DIRS["grpo"]))
         tok.save_pretrained(STAGE_DIRS["grpo"])
         write_json(METRICS, metrics)
         log.info("reward %.3f -> %.3f over %d steps (%.1fs); saved %s", metrics["reward_mean_first_20pct"] or 0,

@@ -7,6 +7,7 @@ and tokenizer to models/sft/ plus metrics/sft_train.json.
 """
 from __future__ import annotations
 
+import shutil
 import time
 
 from .common import (
@@ -109,8 +110,10 @@ def train(params: Params) -> dict:
         "use_lora": params.sft.use_lora,
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }
+    if is_main_process() and STAGE_DIRS["sft"].exists():
+        shutil.rmtree(STAGE_DIRS["sft"])  # no stale adapter/full-model files from an earlier run
+    trainer.save_model(str(STAGE_DIRS["sft"]))  # on every rank: ZeRO-3 gathers the shards here
     if is_main_process():
-        trainer.save_model(str(STAGE_DIRS["sft"]))
         tok.padding_side = "left"
         tok.save_pretrained(STAGE_DIRS["sft"])
         write_json(METRICS, metrics)

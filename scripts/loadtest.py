@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""Load test: start the service on 127.0.0.1, send N requests at concurrency C, check every
+response, print p50/p95 latency and throughput (and write them as JSON with --out).
+
+    python scripts/loadtest.py --model models/merged -n 200 -c 8
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+QUESTIONS = [
+    "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?",
+    "Anna has 12 books. She gives away 5 books. How many books does Anna have now?",
+    "Liam has 6 coins. Then he gets 3 times as many coins as he has. How many coins does Liam have now?",
+    "Mia has 9 shells. She finds 7 more shells. She loses 4 shells. How many shells does Mia have now?",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "AGENTRL_MODEL_PATH": model}
+    log = log_path.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "agentrl.serve:app", "--host", "127.0.0.1", "--port",
+                             str(port), "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.terminate()
+    raise RuntimeError(f"server did not become healthy in 120 s; see {log_path}")
+
+
+async def run(base: str, n: int, concurrency: int, max_tokens: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    errors: list[str] = []
+
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        async def one(i: int) -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post("/generate", json={"text": QUESTIONS[i % len(QUESTIONS)],
+                                                             "max_tokens": max_tokens, "temperature": 0})
+                    body = r.json()
+                    ok = (r.status_code == 200 and isinstance(body.get("text"), str)
+                          and 0 < body.get("confidence", -1) <= 1 and body.get("tokens", 0) >= 1)
+                    if not ok:
+                        errors.append(f"request {i}: {r.status_code} {str(body)[:200]}")
+                except httpx.HTTPError as e:
+                    errors.append(f"request {i}: {type(e).__name__}: {e}")
+                latencies.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    lat = sorted(latencies)
+    return {"requests": n, "concurrency": concurrency, "errors": len(errors), "error_samples": errors[:5],
+            "p50_ms": round(1000 * statistics.median(lat), 1), "p95_ms": round(1000 * lat[int(0.95 * (len(lat) - 1))], 1),
+            "throughput_rps": round(n / wall, 2), "wall_s": round(wall, 2), "max_tokens": max_tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/merged")
+    ap.add_argument("-n", "--requests", type=int, default=200)
+    ap.add_argument("-c", "--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--url", default=None, help="use a running server instead of starting one")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args()
+    proc = None
+    base = a.url
+    if base is None:
+        port = free_port()
+        proc = start_server(a.model, port, Path("loadtest_server.log"))
+        base = f"http://127.0.0.1:{port}"
+    try:
+        res = asyncio.run(run(base, a.requests, a.concurrency, a.max_tokens))
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(f"{res['requests']} requests at concurrency {res['concurrency']}: {res['errors']} errors; "
+          f"p50 {res['p50_ms']} ms, p95 {res['p95_ms']} ms, {res['throughput_rps']} req/s")
+    for e in res["error_samples"]:
+        print("  ", e)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    sys.exit(1 if res["errors"] else 0)
+
+
+if __name__ == "__main__":
+    main()
