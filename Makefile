@@ -15,7 +15,7 @@ NPROC ?= 2
 PYTEST_ARGS ?=
 
 .PHONY: setup repro test test-all serve report bench loadtest train-ddp train-zero2 train-zero3 \
-	train-zero3-offload train-multinode clean help
+	train-zero3-offload train-multinode sweep-grid sweep-random sweep-optuna clean help
 
 help:
 	@echo "make repro   - install pinned deps into $(VENV) and run the DVC pipeline (dvc repro)"
@@ -75,3 +75,18 @@ train-multinode: setup
 
 clean:
 	rm -rf data/prepared models checkpoints eval metrics dvclive runs wandb reports
+
+# Hyperparameter sweeps over `dvc exp` (search spaces in configs/sweeps/). SPACE, JOBS, N, TRIALS.
+SPACE ?= configs/sweeps/grpo.yaml
+JOBS ?= 1
+N ?= 10
+TRIALS ?= 20
+sweep-grid: setup
+	python scripts/sweep.py grid --space $(SPACE) --jobs $(JOBS)
+sweep-random: setup
+	python scripts/sweep.py random --space $(SPACE) -n $(N) --jobs $(JOBS)
+sweep-optuna: setup
+	python scripts/sweep.py optuna --space $(SPACE) --trials $(TRIALS)
+
+bench: setup
+	python scripts/bench.py

@@ -1,0 +1,74 @@
+"""The DVC pipeline itself, run for real in a temporary copy of the repository on a miniature config."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import mini_params
+
+BIN = str(Path(sys.executable).parent)
+
+
+def run(cmd, cwd, check=True):
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "offline"}
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if check and r.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+    return r
+
+
+def ran_stages(output: str) -> list[str]:
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+
+
+@pytest.fixture
+def repo(copy_repo):
+    (copy_repo / "params.yaml").write_text(yaml.safe_dump(mini_params(), sort_keys=False))
+    run(["git", "init", "-q"], copy_repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], copy_repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], copy_repo)
+    return copy_repo
+
+
+def set_param(repo, path, value):
+    p = yaml.safe_load((repo / "params.yaml").read_text())
+    node = p
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+
+
+def test_prepare_stage_caching(repo):
+    out = run(["dvc", "repro", "prepare"], repo).stdout
+    assert ran_stages(out) == ["prepare"]
+    assert (repo / "data/prepared/test.jsonl").exists() and (repo / "metrics/prepare.json").exists()
+    assert "up to date" in run(["dvc", "status", "prepare"], repo).stdout.lower() or \
+        run(["dvc", "status", "prepare"], repo).stdout.strip() in ("", "Data and pipelines are up to date.")
+    assert ran_stages(run(["dvc", "repro", "prepare"], repo).stdout) == []
+    set_param(repo, "grpo.learning_rate", 1e-5)
+    assert ran_stages(run(["dvc", "repro", "prepare"], repo).stdout) == []
+    set_param(repo, "data.max_samples", 50)
+    assert ran_stages(run(["dvc", "repro", "prepare"], repo).stdout) == ["prepare"]
+    assert json.loads((repo / "metrics/prepare.json").read_text())["written"]["sft_train"] == 50
+
+
+def test_full_pipeline_then_grpo_only_change(repo):
+    out = run(["dvc", "repro"], repo).stdout
+    stages = ran_stages(out)
+    for s in ("prepare", "base", "sft", "grpo", "eval_base", "eval_sft", "eval_grpo", "compare", "export",
+              "eval_quantized"):
+        assert s in stages, out[-2000:]
+    assert run(["dvc", "status"], repo).stdout.strip() == "Data and pipelines are up to date."
+    assert ran_stages(run(["dvc", "repro"], repo).stdout) == []
+    metrics = run(["dvc", "metrics", "show", "--json"], repo).stdout
+    assert "eval_grpo.json" in metrics and "accuracy" in metrics
+    set_param(repo, "grpo.learning_rate", 2e-4)
+    rerun = ran_stages(run(["dvc", "repro"], repo).stdout)
+    assert set(rerun) == {"grpo", "eval_grpo", "compare", "export", "eval_quantized"}, rerun
+    assert json.loads((repo / "metrics/export.json").read_text())["passed"]
