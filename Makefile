@@ -53,8 +53,7 @@ report: setup
 
 # Run the pipeline (sft and grpo under `accelerate launch`, then evaluation) with NPROC processes.
 # A workspace `dvc exp run`: the chosen config is recorded in params.yaml and the experiment.
-DDP_CONFIG := $(if $(shell nvidia-smi -L 2>/dev/null),ddp,ddp_cpu)
-train-ddp: ACCEL = $(DDP_CONFIG)
+train-ddp: ACCEL = ddp
 train-zero2: ACCEL = zero2
 train-zero3: ACCEL = zero3
 train-zero3-offload: ACCEL = zero3_offload

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.distributed]
 
 def launch(config: str, module: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "WANDB_MODE": "offline",
-           "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+           "OMP_NUM_THREADS": "1"}
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "configs/accelerate" / config),
            "--num_processes", "2", "-m", module]
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
@@ -27,7 +27,7 @@ def launch(config: str, module: str, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
-@pytest.mark.parametrize("config", ["ddp_cpu.yaml", "zero2.yaml", "zero3.yaml"])
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero2.yaml", "zero3.yaml"])
 def test_two_process_sft_and_grpo(config, tmp_path, monkeypatch):
     from agentrl import base, prepare
     from agentrl.config import load_params

@@ -61,9 +61,13 @@ def resolve_precision(precision: str) -> str:
 
 
 def precision_kwargs(precision: str) -> dict:
-    """TrainingArguments flags for a resolved precision."""
+    """TrainingArguments flags for a resolved precision (and the CPU process-group backend: without
+    ddp_backend="gloo", accelerate leaves DeepSpeed on CPU with world size 1)."""
     p = resolve_precision(precision)
-    return {"bf16": p == "bf16", "fp16": p == "fp16"}
+    kw = {"bf16": p == "bf16", "fp16": p == "fp16"}
+    if not torch.cuda.is_available() and world_size() > 1:
+        kw["ddp_backend"] = "gloo"
+    return kw
 
 
 def torch_dtype(precision: str) -> torch.dtype:
@@ -114,3 +118,13 @@ def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
     if is_main_process():
         stamp.write_text(key + "\n")
     return get_last_checkpoint(str(output_dir))
+
+
+def configure_cpu_threads() -> int:
+    """On CPU, give each process its share of the cores. `accelerate launch` pins OMP_NUM_THREADS=1
+    for non-CPU configs, which halves a 2-core machine's speed for a single process."""
+    if torch.cuda.is_available():
+        return torch.get_num_threads()
+    n = max(1, (os.cpu_count() or 1) // world_size())
+    torch.set_num_threads(n)
+    return n

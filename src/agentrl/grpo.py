@@ -16,8 +16,8 @@ import shutil
 import time
 
 from .common import (
-    effective_batch, file_digest, fingerprint, get_logger, is_main_process, precision_kwargs, resolve_precision,
-    resumable_checkpoint, scaled_learning_rate, world_size, write_json,
+    configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
+    precision_kwargs, resolve_precision, resumable_checkpoint, scaled_learning_rate, world_size, write_json,
 )
 from .config import Params, load_params_or_exit
 from .modeling import STAGE_DIRS, attach, load_model, load_tokenizer, lora_config
@@ -115,6 +115,7 @@ def train(params: Params) -> dict:
 
     gen_batch = check_batch(params)
     set_seed(params.seed)
+    configure_cpu_threads()
     g = params.grpo
     funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
     tok = load_tokenizer(STAGE_DIRS["sft"])
@@ -134,6 +135,17 @@ def train(params: Params) -> dict:
         log.info("resuming from %s", resume)
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds, processing_class=tok,
                           peft_config=peft_config(params), callbacks=callbacks)
+    gen_seconds = [0.0]
+    generate_once = trainer._generate_single_turn  # time the rollouts (generation share of a step)
+
+    def timed_generate(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return generate_once(*a, **kw)
+        finally:
+            gen_seconds[0] += time.perf_counter() - t
+
+    trainer._generate_single_turn = timed_generate
     t0 = time.time()
     out = trainer.train(resume_from_checkpoint=resume)
     runtime = time.time() - t0
@@ -153,6 +165,11 @@ def train(params: Params) -> dict:
         "runtime_s": round(runtime, 2),
         "seconds_per_step": round(runtime / max(1, out.global_step), 4),
         "completions_per_step": gen_batch,
+        "generation_seconds": round(gen_seconds[0], 2),
+        "generation_seconds_share": round(gen_seconds[0] / runtime, 4) if runtime else None,
+        # tokens estimated from the logged mean completion length x completions generated
+        "rollout_tokens_per_second": round(sum(lengths) / len(lengths) * gen_batch * out.global_step
+                                           / gen_seconds[0], 1) if lengths and gen_seconds[0] else None,
         "learning_rate": args.learning_rate,
         "beta": args.beta,
         "resumed_from": resume,

@@ -11,8 +11,8 @@ import shutil
 import time
 
 from .common import (
-    effective_batch, file_digest, fingerprint, get_logger, is_main_process, precision_kwargs, resolve_precision,
-    resumable_checkpoint, scaled_learning_rate, write_json,
+    configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
+    precision_kwargs, resolve_precision, resumable_checkpoint, scaled_learning_rate, write_json,
 )
 from .config import Params, load_params_or_exit
 from .modeling import STAGE_DIRS, load_model, load_tokenizer, lora_config
@@ -72,6 +72,7 @@ def train(params: Params) -> dict:
     from . import tracking
 
     set_seed(params.seed)
+    configure_cpu_threads()
     tok = load_tokenizer(STAGE_DIRS["base"])
     tok.padding_side = "right"  # training pads right; generation pads left
     model = load_model(STAGE_DIRS["base"])
