@@ -14,7 +14,7 @@ MODEL ?= models/merged
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup repro test test-all serve report bench loadtest train-ddp train-zero2 train-zero3 \
+.PHONY: setup repro test test-slow test-all serve report bench loadtest train-ddp train-zero2 train-zero3 \
 	train-zero3-offload train-multinode sweep-grid sweep-random sweep-optuna clean help
 
 help:
@@ -38,6 +38,9 @@ repro: setup
 
 test: setup
 	python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	python -m pytest -m slow $(PYTEST_ARGS)
 
 test-all: setup
 	python -m pytest $(PYTEST_ARGS)

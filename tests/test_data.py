@@ -198,3 +198,24 @@ def test_gsm8k_and_jsonl_sources_identical(workdir, monkeypatch):
     assert calls == [("openai/gsm8k", "main", None)]
     hub = {f: _read(workdir / "data/prepared" / f) for f in local}
     assert hub == local
+
+
+def test_direct_answer_rate_only_affects_training_solutions():
+    kw = dict(num_train=400, num_test=100, operand_min=1, operand_max=19, operations=["+", "-", "*"],
+              steps={1: 1, 2: 1, 3: 1}, max_value=99)
+    train, test = generate_synthetic(3, direct_answer_rate=0.5, **kw)
+    direct = [r for r in train if "<<" not in r["answer"]]
+    assert 150 < len(direct) < 250
+    assert all(re.fullmatch(r"#### \d+", r["answer"]) for r in direct)
+    assert all("<<" in r["answer"] for r in test)
+    plain_train, plain_test = generate_synthetic(3, direct_answer_rate=0.0, **kw)
+    assert [r["question"] for r in plain_train] == [r["question"] for r in train]  # same problems
+    assert plain_test == test
+    for a, b in zip(plain_train, train):  # same final answers
+        assert a["answer"].rsplit("####")[1] == b["answer"].rsplit("####")[1]
+
+
+def test_max_value_bounds_every_intermediate_value():
+    train, _ = generate_synthetic(5, 500, 10, 1, 19, ["+", "*"], {3: 1.0}, max_value=60)
+    for r in train:
+        assert all(int(v) <= 60 for v in re.findall(r">>(\d+)", r["answer"]))

@@ -108,3 +108,5 @@ def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
     assert "learning_rate" in text or b"learning_rate" in blob
     assert b"git_commit" in blob or "git_commit" in text
     assert b"sk-test-secret-key" not in blob and "sk-test-secret-key" not in text
+    # evaluation logged its per-sample predictions as a wandb.Table
+    assert [t for r in runs for t in r.rglob("*.table.json")], "no predictions table in the offline runs"

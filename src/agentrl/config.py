@@ -29,6 +29,7 @@ class SyntheticParams(Strict):
     operand_min: int = Field(1, ge=0)
     operand_max: int = Field(19, ge=1)
     max_value: int = Field(99, ge=2)
+    direct_answer_rate: float = Field(0.0, ge=0, le=1)
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
     steps: dict[int, float] = Field(default_factory=lambda: {1: 0.35, 2: 0.45, 3: 0.2})
 

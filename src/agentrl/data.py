@@ -35,7 +35,7 @@ MUL_SOL = "{x}*{b}=<<{x}*{b}={y}>>{y}"
 MULTIPLIER_MAX = 5  # "b times as many": keeps products in a range a tiny model can learn
 
 
-def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str], max_value: int) -> dict:
+def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str], max_value: int) -> dict | None:
     name, p, o = rng.choice(NAMES)
     items = rng.choice(ITEMS)
     x = rng.randint(max(lo, 1), hi)
@@ -57,7 +57,7 @@ def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str
             if y <= max_value:
                 break
         else:
-            raise ValueError(f"data.synthetic: cannot keep values <= max_value={max_value}; raise it")
+            return None  # no operation keeps this chain within max_value: the caller draws another problem
         question.append(q.format(b=b, **fmt))
         solution.append(s.format(x=x, b=b, y=y, **fmt))
         x = y
@@ -66,9 +66,14 @@ def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str
 
 
 def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: int, operand_max: int,
-                       operations: list[str], steps: dict[int, float], max_value: int = 10**9
-                       ) -> tuple[list[dict], list[dict]]:
-    """Seeded GSM8K-format problems; train and test questions are unique and disjoint."""
+                       operations: list[str], steps: dict[int, float], max_value: int = 10**9,
+                       direct_answer_rate: float = 0.0) -> tuple[list[dict], list[dict]]:
+    """Seeded GSM8K-format problems; train and test questions are unique and disjoint.
+
+    A share `direct_answer_rate` of the *training* solutions states only the final answer
+    ('#### 31', no worked steps), as real solution sets mix worked and terse answers. Test rows
+    always keep the full worked solution (it is only a reference there).
+    """
     rng = random.Random(seed)
     step_values, weights = list(steps), [steps[k] for k in steps]
     seen: set[str] = set()
@@ -84,11 +89,17 @@ def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: in
             )
         row = _one_problem(rng, rng.choices(step_values, weights)[0], operand_min, operand_max, operations,
                            max_value)
-        if row["question"] in seen:
+        if row is None or row["question"] in seen:
             continue
         seen.add(row["question"])
         rows.append(row)
-    return rows[:num_train], rows[num_train:]
+    train = rows[:num_train]
+    style = random.Random(seed + 1)
+    for row in train:
+        if style.random() < direct_answer_rate:
+            row["answer"] = "#### " + row["answer"].rsplit("####", 1)[1].strip()
+            row["style"] = "direct"
+    return train, rows[num_train:]
 
 
 # ---------------------------------------------------------------------------- parsing, checks

@@ -121,7 +121,7 @@ def score(rows: list[dict], samples: list[list[tuple[str, int]]], rewards: dict[
 
 
 def evaluate(params: Params, stage: str, name: Optional[str] = None, quantize: str = "none",
-             model=None, tokenizer=None, limit: Optional[int] = None) -> dict:
+             model=None, tokenizer=None, limit: Optional[int] = None, log_to_trackers: bool = True) -> dict:
     from .modeling import load_policy
 
     name = name or stage
@@ -149,6 +149,10 @@ def evaluate(params: Params, stage: str, name: Optional[str] = None, quantize: s
                     "stage": stage, "quantize": quantize})
     write_jsonl(Path("eval") / name / "predictions.jsonl", preds)
     write_json(f"metrics/eval_{name}.json", metrics)
+    if log_to_trackers:
+        from .tracking import log_eval_to_wandb
+
+        log_eval_to_wandb(params, name, metrics, preds)
     log.info("%s: accuracy %.3f (95%% CI %.3f-%.3f), format %.3f, %.1f problems/s", name, metrics["accuracy"],
              *metrics["accuracy_ci95"], metrics["format_rate"], metrics["samples_per_second"])
     return metrics

@@ -29,7 +29,8 @@ def load_raw(data: DataParams, seed: int) -> tuple[list[RawRow], list[RawRow]]:
     if data.source == "synthetic":
         s = data.synthetic
         train, test = generate_synthetic(seed, s.num_train, s.num_test, s.operand_min, s.operand_max,
-                                         list(s.operations), dict(s.steps), s.max_value)
+                                         list(s.operations), dict(s.steps), s.max_value,
+                                         s.direct_answer_rate)
         return ([RawRow("synthetic:train", i, r) for i, r in enumerate(train, 1)],
                 [RawRow("synthetic:test", i, r) for i, r in enumerate(test, 1)])
     if data.source == "gsm8k":

@@ -96,3 +96,22 @@ def setup(params: Params, stage: str) -> dict:
         "run_name": f"{name}-{stage}" if name else stage,
         "callbacks": callbacks,
     }
+
+
+def log_eval_to_wandb(params: Params, name: str, metrics: dict, predictions: list[dict]) -> None:
+    """One W&B run per evaluation: summary metrics + a wandb.Table of per-sample predictions."""
+    mode = wandb_mode(params)
+    if mode == "disabled":
+        return
+    import wandb
+
+    dvc_exp = os.environ.get("DVC_EXP_NAME")
+    run = wandb.init(project=params.tracking.wandb_project, group=run_group(), job_type="eval",
+                     name=f"{dvc_exp}-eval_{name}" if dvc_exp else f"eval_{name}", mode=mode,
+                     dir=os.environ.get("WANDB_DIR", os.getcwd()), config={"params": wandb_config(params)},
+                     reinit="finish_previous")
+    cols = ["id", "question", "completion", "extracted", "ground_truth", "correct", "reward"]
+    table = wandb.Table(columns=cols, data=[[p.get(c) for c in cols] for p in predictions])
+    run.log({f"eval/{name}/predictions": table})
+    run.summary.update({f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+    run.finish()

@@ -1,0 +1,56 @@
+"""Sweeps over `dvc exp` end to end in a temporary copy of the repository (miniature config)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import mini_params
+
+BIN = str(Path(sys.executable).parent)
+pytestmark = pytest.mark.slow
+
+
+def run(cmd, cwd):
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "disabled"}
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+@pytest.fixture
+def baseline(copy_repo):
+    p = mini_params()
+    p["tracking"]["report_to"] = ["dvclive"]
+    (copy_repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    space = {"objective": {"metric": "metrics/eval_grpo.json", "key": "accuracy", "direction": "maximize"},
+             "grid": {"grpo.learning_rate": [1e-4, 3e-4], "grpo.lora.r": [8], "grpo.kl_coef": [0.0]},
+             "random": {"grpo.learning_rate": {"type": "loguniform", "low": 1e-4, "high": 1e-3},
+                        "grpo.lora.r": {"type": "categorical", "choices": [4, 8]},
+                        "grpo.kl_coef": {"type": "uniform", "low": 0.0, "high": 0.05}}}
+    (copy_repo / "configs/sweeps/mini.yaml").write_text(yaml.safe_dump(space))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    run(["git", "init", "-q"], copy_repo)
+    run(["dvc", "repro"], copy_repo)
+    run(git + ["add", "-A"], copy_repo)
+    run(git + ["commit", "-qm", "baseline"], copy_repo)
+    return copy_repo
+
+
+def test_grid_and_optuna_sweeps(baseline):
+    out = run([sys.executable, "scripts/sweep.py", "grid", "--space", "configs/sweeps/mini.yaml", "--name", "g"],
+              baseline)
+    best = json.loads((baseline / "sweeps/g/best.json").read_text())
+    assert best["trials"] == 2 and best["finished_experiments"] == 2
+    assert best["params"]["grpo.learning_rate"] in (1e-4, 3e-4)
+    assert "dvc exp apply" in best["apply"] and "best accuracy" in out
+    run([sys.executable, "scripts/sweep.py", "optuna", "--space", "configs/sweeps/mini.yaml", "--trials", "2",
+         "--name", "o"], baseline)
+    best = json.loads((baseline / "sweeps/o/best.json").read_text())
+    assert best["trials"] == 2 and best["finished_experiments"] == 2
+    assert (baseline / "sweeps/o/study.db").exists()
+    shown = run(["dvc", "exp", "show", "--json"], baseline)
+    assert shown.count("eval_grpo.json") >= 4
