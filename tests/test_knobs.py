@@ -80,6 +80,7 @@ def test_grpo_knob_reaches_grpoconfig(tmp_path, key, value, attr, expected):
 @pytest.mark.parametrize("key, value, attr, expected", LORA_KNOBS, ids=[k[0] for k in LORA_KNOBS])
 def test_lora_knob_reaches_loraconfig(stage, key, value, attr, expected):
     p = raw_params()
+    p[stage]["use_lora"] = True
     p[stage]["lora"][key] = value
     module = sft if stage == "sft" else grpo
     cfg = module.peft_config(validate_params(p))

@@ -86,6 +86,12 @@ def scaled_learning_rate(lr: float, rule: str, effective: int, reference: int) -
     return lr * (ratio ** 0.5 if rule == "sqrt" else ratio)
 
 
+def stage_learning_rate(train, distributed) -> float:
+    """A training section's learning rate after distributed.scale_lr for its effective batch."""
+    eff = effective_batch(train.per_device_train_batch_size, train.gradient_accumulation_steps)
+    return scaled_learning_rate(train.learning_rate, distributed.scale_lr, eff, distributed.reference_batch)
+
+
 def fingerprint(*parts: Any) -> str:
     import hashlib
 

@@ -17,7 +17,7 @@ import time
 
 from .common import (
     configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
-    precision_kwargs, resolve_precision, resumable_checkpoint, scaled_learning_rate, world_size, write_json,
+    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size, write_json,
 )
 from .config import Params, load_params_or_exit
 from .modeling import STAGE_DIRS, attach, load_model, load_tokenizer, lora_config
@@ -49,9 +49,7 @@ def check_batch(params: Params, num_processes: int | None = None) -> int:
 
 
 def learning_rate(params: Params) -> float:
-    g, d = params.grpo, params.distributed
-    eff = effective_batch(g.per_device_train_batch_size, g.gradient_accumulation_steps)
-    return scaled_learning_rate(g.learning_rate, d.scale_lr, eff, d.reference_batch)
+    return stage_learning_rate(params.grpo, params.distributed)
 
 
 def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs):

@@ -12,7 +12,7 @@ import time
 
 from .common import (
     configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
-    precision_kwargs, resolve_precision, resumable_checkpoint, scaled_learning_rate, write_json,
+    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, write_json,
 )
 from .config import Params, load_params_or_exit
 from .modeling import STAGE_DIRS, load_model, load_tokenizer, lora_config
@@ -24,9 +24,7 @@ log = get_logger("sft")
 
 
 def learning_rate(params: Params) -> float:
-    s, d = params.sft, params.distributed
-    eff = effective_batch(s.per_device_train_batch_size, s.gradient_accumulation_steps)
-    return scaled_learning_rate(s.learning_rate, d.scale_lr, eff, d.reference_batch)
+    return stage_learning_rate(params.sft, params.distributed)
 
 
 def sft_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs):
