@@ -31,6 +31,7 @@ def mini_params() -> dict:
     p["model"]["tiny"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=16)
     p["model"]["pretrain"].update(num_arithmetic_facts=200, epochs=1, batch_size=16)
+    p["sft"]["use_lora"] = True  # the tests exercise the LoRA path of both stages
     p["sft"].update(max_steps=6, per_device_train_batch_size=8, save_steps=3, logging_steps=1, learning_rate=5e-3)
     p["grpo"].update(max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
                      save_steps=1, logging_steps=1, learning_rate=1e-3)

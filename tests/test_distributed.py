@@ -48,6 +48,9 @@ def test_two_process_sft_and_grpo(config, tmp_path, monkeypatch):
     for stage, run in (("sft", sft_run), ("grpo", grpo_run)):
         m = json.loads((tmp_path / f"metrics/{stage}_train.json").read_text())
         assert m["steps"] >= 1
+        # really distributed: one trainer over 2 processes (not 2 independent single-process runs)
+        assert m["num_processes"] == 2, m
+        assert m["distributed_type"] == ("MULTI_CPU" if config == "ddp.yaml" else "DEEPSPEED"), m
         assert (tmp_path / f"models/{stage}/adapter_config.json").exists()
         # one process logs the stage's INFO lines: no duplicated logs
         assert run.stderr.count(f"[{stage}] INFO") == len([ln for ln in run.stderr.splitlines()

@@ -61,12 +61,17 @@ def resolve_precision(precision: str) -> str:
 
 
 def precision_kwargs(precision: str) -> dict:
-    """TrainingArguments flags for a resolved precision (and the CPU process-group backend: without
-    ddp_backend="gloo", accelerate leaves DeepSpeed on CPU with world size 1)."""
+    """TrainingArguments flags for a resolved precision, plus the CPU process-group settings.
+
+    Several CPU processes need telling: DDP must run as accelerate's MULTI_CPU (use_cpu, gloo) or the
+    processes silently train alone; DeepSpeed must keep use_cpu off but name the gloo backend, or
+    accelerate leaves it with a world size of 1."""
     p = resolve_precision(precision)
     kw = {"bf16": p == "bf16", "fp16": p == "fp16"}
     if not torch.cuda.is_available() and world_size() > 1:
         kw["ddp_backend"] = "gloo"
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+            kw["use_cpu"] = True
     return kw
 
 

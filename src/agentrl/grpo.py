@@ -171,6 +171,8 @@ def train(params: Params) -> dict:
         "learning_rate": args.learning_rate,
         "beta": args.beta,
         "resumed_from": resume,
+        "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
     }
     if is_main_process() and STAGE_DIRS["grpo"].exists():
         shutil.rmtree(STAGE_DIRS["grpo"])  # no stale files from an earlier run

@@ -106,6 +106,8 @@ def train(params: Params) -> dict:
         "effective_batch": eff,
         "learning_rate": args.learning_rate,
         "resumed_from": resume,
+        "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
         "use_lora": params.sft.use_lora,
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }
