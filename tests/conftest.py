@@ -61,7 +61,15 @@ def write_params(path: Path, params: dict) -> None:
 def copy_repo(tmp_path):
     """A copy of the repository (code, dvc.yaml, params) as a fresh git repo."""
     dst = tmp_path / "repo"
-    ignore = shutil.ignore_patterns(".venv", ".git", "data", "models", "checkpoints", "eval", "metrics", "dvclive",
-                                    "runs", "wandb", "reports", "sweeps", "__pycache__", ".pytest_cache", "*.egg-info")
+    top_level = {".venv", ".git", "data", "models", "checkpoints", "eval", "metrics", "dvclive", "runs", "wandb",
+                 "reports", "sweeps", ".pytest_cache"}
+    anywhere = shutil.ignore_patterns("__pycache__", "*.egg-info")
+
+    def ignore(directory, names):
+        skip = set(anywhere(directory, names))
+        if Path(directory) == ROOT:
+            skip |= top_level & set(names)
+        return skip
+
     shutil.copytree(ROOT, dst, ignore=ignore)
     return dst

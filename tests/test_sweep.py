@@ -34,6 +34,8 @@ def baseline(copy_repo):
     (copy_repo / "configs/sweeps/mini.yaml").write_text(yaml.safe_dump(space))
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     run(["git", "init", "-q"], copy_repo)
+    run(git + ["add", "-A"], copy_repo)
+    run(git + ["commit", "-qm", "code"], copy_repo)
     run(["dvc", "repro"], copy_repo)
     run(git + ["add", "-A"], copy_repo)
     run(git + ["commit", "-qm", "baseline"], copy_repo)

@@ -110,3 +110,34 @@ def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
     assert b"sk-test-secret-key" not in blob and "sk-test-secret-key" not in text
     # evaluation logged its per-sample predictions as a wandb.Table
     assert [t for r in runs for t in r.rglob("*.table.json")], "no predictions table in the offline runs"
+
+
+def test_hub_base_model_path_records_resolved_commit(workdir, monkeypatch):
+    """model.base_model: <hub id> goes through from_pretrained at model.revision (patched: no hub here)
+    and writes the resolved commit to metrics/base.json."""
+    from agentrl import base
+    from agentrl.config import TinyModelParams, validate_params
+    from agentrl.modeling import build_tiny_model, train_tokenizer
+
+    tok = train_tokenizer(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
+    model = build_tiny_model(tok, TinyModelParams(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16), 0)
+    model.config._commit_hash = "0123456789abcdef0123456789abcdef01234567"
+    calls = []
+
+    def fake_model(name, dtype=None, revision=None):
+        calls.append(("model", name, revision))
+        return model
+
+    def fake_tok(name, revision=None):
+        calls.append(("tokenizer", name, revision))
+        return tok
+
+    monkeypatch.setattr(base, "load_model", lambda path, revision=None: fake_model(path, revision=revision))
+    monkeypatch.setattr(base, "load_tokenizer_hub", fake_tok)
+    p = mini_params()
+    p["model"].update(base_model="Qwen/Qwen3-0.6B", revision="v1.0")
+    info = base.from_hub(validate_params(p))
+    assert ("model", "Qwen/Qwen3-0.6B", "v1.0") in calls and ("tokenizer", "Qwen/Qwen3-0.6B", "v1.0") in calls
+    assert info["resolved_commit"] == "0123456789abcdef0123456789abcdef01234567"
+    assert (workdir / "models/base/config.json").exists()

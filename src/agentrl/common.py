@@ -113,6 +113,12 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def code_files() -> list[Path]:
+    """The package's source files: part of a checkpoint's fingerprint, so a run resumes only with the
+    code that started it (a code change re-runs the stage from scratch, as DVC expects)."""
+    return sorted(Path(__file__).parent.glob("*.py"))
+
+
 def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
     """The last checkpoint in output_dir if it was written by a run with the same fingerprint `key`;
     otherwise the directory is cleared (a changed config must not resume a stale run)."""

@@ -16,7 +16,7 @@ import shutil
 import time
 
 from .common import (
-    configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
+    code_files, configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
     precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size, write_json,
 )
 from .config import Params, load_params_or_exit
@@ -125,7 +125,7 @@ def train(params: Params) -> dict:
     log.info("%d prompts; precision %s; %d completions per step (%d prompts x %d generations); lr %.3g; beta %g; "
              "rewards %s; lora=%s", len(ds), resolve_precision(params.model.precision), gen_batch,
              gen_batch // g.num_generations, g.num_generations, args.learning_rate, args.beta, g.rewards, g.use_lora)
-    key = fingerprint(params.seed, g.model_dump(), file_digest(DATA),
+    key = fingerprint(params.seed, g.model_dump(), file_digest(DATA), *(file_digest(p) for p in code_files()),
                       file_digest(STAGE_DIRS["base"] / "model.safetensors"),
                       *(file_digest(p) for p in sorted(STAGE_DIRS["sft"].glob("*.safetensors"))))
     resume = resumable_checkpoint(CHECKPOINTS, key)

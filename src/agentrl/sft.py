@@ -11,7 +11,7 @@ import shutil
 import time
 
 from .common import (
-    configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
+    code_files, configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
     precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, write_json,
 )
 from .config import Params, load_params_or_exit
@@ -85,6 +85,7 @@ def train(params: Params) -> dict:
              params.sft.gradient_accumulation_steps), params.sft.gradient_accumulation_steps, args.learning_rate,
              params.sft.use_lora)
     key = fingerprint(params.seed, params.sft.model_dump(), params.model.model_dump(), file_digest(DATA),
+                      *(file_digest(p) for p in code_files()),
                       file_digest(STAGE_DIRS["base"] / "model.safetensors"))
     resume = resumable_checkpoint(CHECKPOINTS, key)
     if resume:
