@@ -62,7 +62,8 @@ def sft_trainer_step_time(params, trl_defaults: bool) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         if trl_defaults:  # what a plain TRL script gets: library defaults except batch/steps
             args = SFTConfig(output_dir=tmp, per_device_train_batch_size=params.sft.per_device_train_batch_size,
-                             max_steps=STEPS, report_to="none", save_strategy="no", logging_steps=1000)
+                             max_steps=STEPS, report_to="none", save_strategy="no", logging_steps=1000,
+                             use_cpu=not torch.cuda.is_available())  # bf16 stays at TRL's default
         else:
             args = sft.sft_config(params, output_dir=tmp, report_to="none")
             args.max_steps, args.save_strategy, args.logging_steps = STEPS, "no", 1000
