@@ -14,7 +14,9 @@ BIN = str(Path(sys.executable).parent)
 
 
 def run(cmd, cwd, check=True):
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "offline"}
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "offline",
+           "GIT_AUTHOR_NAME": "agentrl-test", "GIT_AUTHOR_EMAIL": "test@example.invalid",
+           "GIT_COMMITTER_NAME": "agentrl-test", "GIT_COMMITTER_EMAIL": "test@example.invalid"}
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if check and r.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")

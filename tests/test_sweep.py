@@ -15,7 +15,10 @@ pytestmark = pytest.mark.slow
 
 
 def run(cmd, cwd):
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "disabled",
+           # dvc exp commits experiments: give git an identity on machines without one
+           "GIT_AUTHOR_NAME": "agentrl-test", "GIT_AUTHOR_EMAIL": "test@example.invalid",
+           "GIT_COMMITTER_NAME": "agentrl-test", "GIT_COMMITTER_EMAIL": "test@example.invalid"}
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
