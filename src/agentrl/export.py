@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .common import get_logger, read_json, write_json
+from .common import get_logger, write_json
 from .config import Params, load_params_or_exit
 from .data import load_jsonl
 from .modeling import STAGE_DIRS, load_model, load_policy, load_tokenizer

@@ -16,7 +16,7 @@ import shutil
 import time
 
 from .common import (
-    code_files, configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
+    code_files, configure_cpu_threads, file_digest, fingerprint, get_logger, is_main_process,
     precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size, write_json,
 )
 from .config import Params, load_params_or_exit
