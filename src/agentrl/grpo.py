@@ -12,15 +12,14 @@ rewards.py with the weights in grpo.rewards.
 """
 from __future__ import annotations
 
-import shutil
 import time
 
 from .common import (
     code_files, configure_cpu_threads, file_digest, fingerprint, get_logger, is_main_process,
-    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size, write_json,
+    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size,
 )
 from .config import Params, load_params_or_exit
-from .modeling import STAGE_DIRS, attach, load_model, load_tokenizer, lora_config
+from .modeling import STAGE_DIRS, save_stage_result, attach, load_model, load_tokenizer, lora_config
 from .rewards import build_rewards
 
 DATA = "data/prepared/rl_train.jsonl"
@@ -174,12 +173,8 @@ def train(params: Params) -> dict:
         "num_processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
     }
-    if is_main_process() and STAGE_DIRS["grpo"].exists():
-        shutil.rmtree(STAGE_DIRS["grpo"])  # no stale files from an earlier run
-    trainer.save_model(str(STAGE_DIRS["grpo"]))  # on every rank: ZeRO-3 gathers the shards here
+    save_stage_result(trainer, tok, STAGE_DIRS["grpo"], METRICS, metrics)
     if is_main_process():
-        tok.save_pretrained(STAGE_DIRS["grpo"])
-        write_json(METRICS, metrics)
         log.info("reward %.3f -> %.3f over %d steps (%.1fs); saved %s", metrics["reward_mean_first_20pct"] or 0,
                  metrics["reward_mean_last_20pct"] or 0, metrics["steps"], runtime, STAGE_DIRS["grpo"])
     return metrics

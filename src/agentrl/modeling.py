@@ -118,3 +118,20 @@ def lora_config(p: LoraParams):
 
     return LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=list(p.target_modules),
                       bias="none", task_type="CAUSAL_LM")
+
+
+def save_stage_result(trainer, tokenizer, out_dir: Path, metrics_path: str, metrics: dict) -> None:
+    """Save a training stage's model (adapter or full), tokenizer and metrics into a clean out_dir.
+
+    save_model runs on every rank (ZeRO-3 gathers the shards there); the rest on rank 0 only."""
+    import shutil
+
+    from .common import is_main_process, write_json
+
+    if is_main_process() and out_dir.exists():
+        shutil.rmtree(out_dir)  # no stale adapter/full-model files from an earlier run
+    trainer.save_model(str(out_dir))
+    if is_main_process():
+        tokenizer.padding_side = "left"  # generation pads left
+        tokenizer.save_pretrained(out_dir)
+        write_json(metrics_path, metrics)

@@ -33,18 +33,23 @@ def normalize_number(text: str) -> Optional[str]:
     return "-" + out if neg and out != "0" else out
 
 
-def extract_answer(text: str) -> Optional[str]:
-    """Final answer of a completion, normalised; None if it has no parseable answer line.
+def find_answer(text: str) -> tuple[Optional[str], Optional[tuple[int, int]]]:
+    """(normalised final answer, its character span in `text`), or (None, None).
 
     Order: the last `#### N`, then the last `answer is N`, then the last `\\boxed{N}`.
     """
     if not isinstance(text, str):
-        return None
+        return None, None
     for pattern in (_HASH, _ANSWER_IS, _BOXED):
-        found = pattern.findall(text)
-        if found:
-            return normalize_number(found[-1])
-    return None
+        matches = list(pattern.finditer(text))
+        if matches:
+            return normalize_number(matches[-1].group(1)), matches[-1].span(1)
+    return None, None
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """Final answer of a completion, normalised; None if it has no parseable answer line."""
+    return find_answer(text)[0]
 
 
 def answers_match(pred: Optional[str], truth: Optional[str], rel_tol: float = 1e-6) -> bool:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictStr
 
 from .config import ServeParams, load_params
-from .rewards import _ANSWER_IS, _BOXED, _HASH, extract_answer
+from .rewards import find_answer
 
 
 # ----------------------------------------------------------------------------- request models
@@ -121,14 +121,7 @@ class Engine:
     def _result(self, ids: list[int], logprobs: list[float], finish: str, prompt_tokens: int) -> dict:
         tok = self.tokenizer
         text = tok.decode(ids, skip_special_tokens=True)
-        answer = extract_answer(text)
-        span = None
-        if answer is not None:
-            for pat in (_HASH, _ANSWER_IS, _BOXED):
-                matches = list(pat.finditer(text))
-                if matches:
-                    span = matches[-1].span(1)
-                    break
+        answer, span = find_answer(text)
         # tokens whose decoded characters overlap the answer's characters
         chosen, prev = [], 0
         for k in range(len(ids)):

@@ -7,15 +7,14 @@ and tokenizer to models/sft/ plus metrics/sft_train.json.
 """
 from __future__ import annotations
 
-import shutil
 import time
 
 from .common import (
     code_files, configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
-    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, write_json,
+    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate,
 )
 from .config import Params, load_params_or_exit
-from .modeling import STAGE_DIRS, load_model, load_tokenizer, lora_config
+from .modeling import STAGE_DIRS, save_stage_result, load_model, load_tokenizer, lora_config
 
 DATA = "data/prepared/sft_train.jsonl"
 CHECKPOINTS = "checkpoints/sft"
@@ -112,13 +111,8 @@ def train(params: Params) -> dict:
         "use_lora": params.sft.use_lora,
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }
-    if is_main_process() and STAGE_DIRS["sft"].exists():
-        shutil.rmtree(STAGE_DIRS["sft"])  # no stale adapter/full-model files from an earlier run
-    trainer.save_model(str(STAGE_DIRS["sft"]))  # on every rank: ZeRO-3 gathers the shards here
+    save_stage_result(trainer, tok, STAGE_DIRS["sft"], METRICS, metrics)
     if is_main_process():
-        tok.padding_side = "left"
-        tok.save_pretrained(STAGE_DIRS["sft"])
-        write_json(METRICS, metrics)
         log.info("loss %.3f -> %.3f in %d steps (%.1fs); saved %s", metrics["first_loss"] or 0,
                  metrics["final_loss"] or 0, metrics["steps"], runtime, STAGE_DIRS["sft"])
     return metrics
