@@ -14,7 +14,7 @@ MODEL ?= models/merged
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup repro test test-slow test-all serve report bench loadtest train-ddp train-zero2 train-zero3 \
+.PHONY: setup repro test test-slow test-all serve report wandb-report bench loadtest train-ddp train-zero2 train-zero3 \
 	train-zero3-offload train-multinode sweep-grid sweep-random sweep-optuna clean help
 
 help:
@@ -53,6 +53,10 @@ loadtest: setup
 
 report: setup
 	python -m agentrl.report
+
+# The same panels as a W&B Report (online: needs WANDB_API_KEY; GROUP=<run group> narrows it).
+wandb-report: setup
+	python scripts/wandb_report.py $(if $(GROUP),--group $(GROUP))
 
 # Run the pipeline (sft and grpo under `accelerate launch`, then evaluation) with NPROC processes.
 # A workspace `dvc exp run`: the chosen config is recorded in params.yaml and the experiment.

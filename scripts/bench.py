@@ -2,11 +2,12 @@
 """`make bench`: performance measured side by side, as ratios, in one run on one machine.
 
 Writes BENCHMARKS.md (table + how each figure was obtained) and metrics/bench.json. Each figure is the
-median of --repeats runs (default 3) with min and max. Needs a finished `dvc repro` (models/base,
-models/sft, data/prepared). Goals (reported, never asserted): SFT ratio <= 1.25, eval speed-up >= 10,
-no-op repro <= 5 s, full repro <= 900 s.
+median of --repeats runs (default 3) with min and max; the pipeline timings (full repro, GRPO-only
+change) of --repro-repeats runs, made in a scratch copy of the repository so the workspace is untouched.
+Needs a finished `dvc repro` (models/base, models/sft, data/prepared). Goals (reported, never
+asserted): SFT ratio <= 1.25, eval speed-up >= 10, no-op repro <= 5 s, full repro <= 900 s.
 
-    python scripts/bench.py [--repeats 3] [--skip-full-repro]
+    python scripts/bench.py [--repeats 3] [--repro-repeats 3] [--skip-dvc]
 """
 from __future__ import annotations
 
@@ -124,26 +125,153 @@ def eval_speed(params, n: int) -> dict:
     return out
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
+def grpo_step_stats(params, steps: int = 12) -> dict:
+    """A short GRPOTrainer run with params.yaml's grpo config: seconds per optimizer step, share of it
+    spent generating, rollout tokens/s (steps 3..steps; nothing written to the workspace)."""
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from agentrl import grpo
+    from agentrl.modeling import STAGE_DIRS, load_tokenizer
+    from agentrl.rewards import build_rewards
+
+    g = params.grpo
+    funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
+    ds = load_dataset("json", data_files=grpo.DATA, split="train")
+    step_t: list[float] = []
+    gen_t: list[float] = [0.0]
+    gen_per_step: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t, self.g = time.perf_counter(), gen_t[0]
+
+        def on_step_end(self, *a, **k):
+            step_t.append(time.perf_counter() - self.t)
+            gen_per_step.append(gen_t[0] - self.g)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = grpo.grpo_config(params, output_dir=tmp, report_to="none")
+        args.max_steps, args.save_strategy, args.logging_steps = steps, "no", 1
+        trainer = GRPOTrainer(model=grpo.starting_model(), reward_funcs=funcs, args=args, train_dataset=ds,
+                              processing_class=load_tokenizer(STAGE_DIRS["sft"]), peft_config=grpo.peft_config(params),
+                              callbacks=[Timer()])
+        generate_once = trainer._generate_single_turn
+
+        def timed_generate(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return generate_once(*a, **kw)
+            finally:
+                gen_t[0] += time.perf_counter() - t
+
+        trainer._generate_single_turn = timed_generate
+        trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    k = 2  # warm-up steps left out
+    gen = sum(gen_per_step[k:])
+    return {"seconds_per_step": statistics.median(step_t[k:]),
+            "generation_share": gen / sum(step_t[k:]),
+            "rollout_tokens_per_second": sum(lengths[k:]) * per_step / gen if gen else None}
+
+
+def timed(cmd: list[str], cwd: str | None = None) -> tuple[float, str]:
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     return time.perf_counter() - t, r.stdout
 
 
+def stages_run(out: str) -> list[str]:
+    return [ln.split("'")[1] for ln in out.splitlines() if ln.startswith("Running stage")]
+
+
+def scratch_copy(dst: Path) -> None:
+    """The repository as committed plus the workspace's DVC outputs and cache: `dvc repro` there starts
+    from the same state as here, and nothing here changes."""
+    files = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        if Path(f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst / f)
+    for d in ("data/prepared", "models", "checkpoints", "eval", "metrics", "dvclive", ".dvc/cache"):
+        if Path(d).exists():
+            shutil.copytree(d, dst / d, symlinks=True, dirs_exist_ok=True)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost",
+           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@localhost"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "bench copy"]):
+        subprocess.run(cmd, cwd=dst, check=True, env=env, capture_output=True)
+
+
+def set_param(path: Path, dotted: str, value) -> None:
+    import yaml
+
+    p = yaml.safe_load(path.read_text())
+    d = p
+    *head, last = dotted.split(".")
+    for h in head:
+        d = d[h]
+    d[last] = value
+    path.write_text(yaml.safe_dump(p, sort_keys=False))
+
+
+STAGE_METRICS = {"prepare": "prepare", "base": "base", "sft": "sft_train", "grpo": "grpo_train",
+                 "eval_base": "eval_base", "eval_sft": "eval_sft", "eval_grpo": "eval_grpo", "export": "export",
+                 "eval_quantized": "eval_merged_int8"}
+
+
+def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
+    dvc = str(Path(sys.executable).parent / "dvc")
+    status = timed([dvc, "status"])[1]
+    if "up to date" not in status:
+        raise SystemExit(f"bench: the pipeline is not up to date (`dvc status`); run `make repro` first\n{status}")
+    out: dict = {"noop_repro_seconds": stats([timed([dvc, "repro"])[0] for _ in range(repeats)])}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        scratch_copy(d)
+        ran = stages_run(timed([dvc, "repro"], cwd=tmp)[1])
+        if ran:
+            print(f"bench: the scratch copy was not up to date, re-ran {ran}", file=sys.stderr)
+        change, lr = [], params.grpo.learning_rate
+        for i in range(repro_repeats):  # GRPO-only change: a new grpo.learning_rate each time
+            set_param(d / "params.yaml", "grpo.learning_rate", float(f"{lr * (1.5 + 0.25 * i):.3g}"))
+            secs, log = timed([dvc, "repro"], cwd=tmp)
+            change.append({"seconds": round(secs, 1), "stages_rerun": stages_run(log)})
+        out["grpo_change_repro"] = {"seconds": stats([c["seconds"] for c in change]),
+                                    "stages_rerun": change[0]["stages_rerun"], "runs": change}
+        full, rss = [], {}
+        for _ in range(repro_repeats):  # everything from scratch (set-up excluded)
+            shutil.rmtree(d / "checkpoints", ignore_errors=True)  # or sft/grpo would resume from their last step
+            secs, log = timed([dvc, "repro", "--force"], cwd=tmp)
+            full.append(secs)
+            for stage, f in STAGE_METRICS.items():
+                m = d / "metrics" / f"{f}.json"
+                if m.exists() and "peak_rss_mb" in json.loads(m.read_text()):
+                    rss.setdefault(stage, []).append(json.loads(m.read_text())["peak_rss_mb"])
+        out["full_repro_seconds"] = stats(full)
+        out["full_repro_stages"] = stages_run(log)
+        out["peak_rss_mb_per_stage"] = {k: max(v) for k, v in rss.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--eval-problems", type=int, default=64)
+    ap.add_argument("--repro-repeats", type=int, default=3, help="runs of the full and GRPO-change repros")
+    ap.add_argument("--eval-problems", type=int, default=None, help="default: the whole held-out set")
     ap.add_argument("--skip-dvc", action="store_true",
-                    help="skip the dvc timings (no-op repro, GRPO-only change); report the rest")
+                    help="skip the dvc timings (no-op repro, GRPO-only change, full repro)")
     a = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     params = load_params()
     R = range(a.repeats)
     res: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                            f"torch {torch.__version__}", "repeats": a.repeats}
+                            f"torch {torch.__version__}", "repeats": a.repeats,
+                 "repro_repeats": 0 if a.skip_dvc else a.repro_repeats}
 
     ours = [sft_trainer_step_time(params, False) for _ in R]
     trl_default = [sft_trainer_step_time(params, True) for _ in R]
@@ -152,67 +280,53 @@ def main() -> None:
     res["sft_vs_plain_loop_ratio"] = statistics.median(ours) / statistics.median(plain)
     res["sft_trl_defaults_vs_plain_loop_ratio"] = statistics.median(trl_default) / statistics.median(plain)
 
-    ev = [eval_speed(params, a.eval_problems) for _ in R]
+    n = a.eval_problems or len(load_jsonl("data/prepared/test.jsonl"))
+    ev = [eval_speed(params, n) for _ in R]
+    res["eval_problems"] = n
     res["eval"] = {k: {"problems_per_second": stats([e[k]["problems_per_second"] for e in ev]),
                        "accuracy": ev[0][k]["accuracy"]} for k in ("batched", "per_sample")}
     res["eval_batched_vs_per_sample_speedup"] = (res["eval"]["batched"]["problems_per_second"]["median"]
                                                  / res["eval"]["per_sample"]["problems_per_second"]["median"])
     res["eval_identical_accuracy"] = all(e["batched"]["accuracy"] == e["per_sample"]["accuracy"] for e in ev)
 
-    g = json.loads(Path("metrics/grpo_train.json").read_text()) if Path("metrics/grpo_train.json").exists() else {}
-    if g:
-        res["grpo"] = {k: g.get(k) for k in ("seconds_per_step", "completions_per_step", "generation_seconds_share",
-                                             "rollout_tokens_per_second")}
-
-    dvc = str(Path(sys.executable).parent / "dvc")
-    if not a.skip_dvc:
-        res["noop_repro_seconds"] = stats([timed([dvc, "repro"])[0] for _ in R])
-    if not a.skip_dvc:
-        with tempfile.TemporaryDirectory() as tmp:  # GRPO-only change, on a copy of params
-            backup = Path(tmp) / "params.yaml"
-            shutil.copy("params.yaml", backup)
-            try:
-                text = Path("params.yaml").read_text()
-                lr = params.grpo.learning_rate
-                Path("params.yaml").write_text(text.replace(f"learning_rate: {lr:.1e}".replace("e-0", "e-"),
-                                                            f"learning_rate: {lr * 1.5:.2e}"))
-                secs, out = timed([dvc, "repro"])
-                res["grpo_change_repro"] = {"seconds": secs, "stages_rerun": [ln.split("'")[1] for ln in out.splitlines()
-                                                                              if ln.startswith("Running stage")]}
-            finally:
-                shutil.copy(backup, "params.yaml")
-                timed([dvc, "repro"])
-    rt = {}
-    for stage, f in (("base", "base"), ("sft", "sft_train"), ("grpo", "grpo_train")):
-        p = Path(f"metrics/{f}.json")
-        if p.exists():
-            rt[stage] = json.loads(p.read_text()).get("runtime_s")
-    res["stage_runtime_seconds"] = rt
+    gr = [grpo_step_stats(params) for _ in R]
+    res["grpo"] = {k: stats([x[k] for x in gr]) for k in ("seconds_per_step", "generation_share",
+                                                          "rollout_tokens_per_second")}
+    res["grpo"]["completions_per_step"] = params.grpo.per_device_train_batch_size * params.grpo.gradient_accumulation_steps
     res["peak_rss_mb_bench_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if not a.skip_dvc:
+        res.update(dvc_timings(params, a.repeats, a.repro_repeats))
     write_json("metrics/bench.json", res)
 
-    s = res["sft_step_seconds"]
+    s, g = res["sft_step_seconds"], res["grpo"]
+    mm = lambda x, f="{:.3f}": f"{f.format(x['median'])} ({f.format(x['min'])}–{f.format(x['max'])})"  # noqa: E731
     lines = [
-        "# Benchmarks", "", f"Measured by `make bench` on {res['machine']}; each figure is the median of "
-        f"{a.repeats} runs (min–max).", "",
+        "# Benchmarks", "", f"Measured by `make bench` on {res['machine']}. Each figure is the median of "
+        f"{a.repeats} runs (min–max); the full and GRPO-change repros of {res['repro_repeats']} runs, in a "
+        "scratch copy of the repository. Regenerate with `make bench`.", "",
         "| figure | value | how |", "|---|---|---|",
-        f"| SFT step, ours | {s['ours']['median']:.3f} s ({s['ours']['min']:.3f}–{s['ours']['max']:.3f}) | SFTTrainer with params.yaml's config, median of steps 6–{STEPS} |",
-        f"| SFT step, TRL defaults | {s['trl_defaults']['median']:.3f} s | SFTConfig defaults (bf16 autocast where supported) |",
-        f"| SFT step, plain PyTorch loop | {s['plain_loop']['median']:.3f} s | forward/backward/AdamW on the same model and batch size |",
+        f"| SFT step, ours | {mm(s['ours'])} s | SFTTrainer with params.yaml's config, median of steps 6–{STEPS} |",
+        f"| SFT step, TRL defaults | {mm(s['trl_defaults'])} s | SFTConfig defaults (bf16 autocast where supported, gradient checkpointing on) |",
+        f"| SFT step, plain PyTorch loop | {mm(s['plain_loop'])} s | forward/backward/clip/AdamW on the same model and batch size, tokenization excluded |",
         f"| **sft_vs_plain_loop_ratio** | {res['sft_vs_plain_loop_ratio']:.2f} (goal ≤ 1.25) | ours / plain loop |",
         f"| TRL defaults / plain loop | {res['sft_trl_defaults_vs_plain_loop_ratio']:.2f} | |",
-        f"| eval batched | {res['eval']['batched']['problems_per_second']['median']:.1f} problems/s | `eval.batch_size` with left padding, greedy |",
-        f"| eval one at a time | {res['eval']['per_sample']['problems_per_second']['median']:.1f} problems/s | batch 1 (HelloAgents' way) |",
+        f"| eval batched | {mm(res['eval']['batched']['problems_per_second'], '{:.1f}')} problems/s | {n} held-out problems, `eval.batch_size` {params.eval.batch_size}, left padding, greedy |",
+        f"| eval one at a time | {mm(res['eval']['per_sample']['problems_per_second'], '{:.1f}')} problems/s | the same {n} problems at batch 1 (HelloAgents' way) |",
         f"| **eval_batched_vs_per_sample_speedup** | {res['eval_batched_vs_per_sample_speedup']:.1f}× (goal ≥ 10) | identical accuracy: {res['eval_identical_accuracy']} |",
+        f"| GRPO optimizer step | {mm(g['seconds_per_step'])} s, {g['completions_per_step']} completions | GRPOTrainer with params.yaml's config, steps 3–12 |",
+        f"| GRPO share of a step spent generating | {mm(g['generation_share'], '{:.2f}')} | rollout time / step time |",
+        f"| GRPO rollout tokens/s | {mm(g['rollout_tokens_per_second'], '{:.0f}')} | completion tokens generated / rollout time |",
     ]
-    if "noop_repro_seconds" in res:
+    if not a.skip_dvc:
+        c = res["grpo_change_repro"]
         lines += [
-            f"| **noop_repro_seconds** | {res['noop_repro_seconds']['median']:.2f} s (goal ≤ 5) | `dvc repro` with nothing changed |",
-            f"| GRPO-only change | {res['grpo_change_repro']['seconds']:.1f} s, re-ran {', '.join(res['grpo_change_repro']['stages_rerun'])} | `grpo.learning_rate` × 1.5, then `dvc repro` |",
+            f"| **noop_repro_seconds** | {mm(res['noop_repro_seconds'], '{:.2f}')} s (goal ≤ 5) | `dvc repro` with nothing changed |",
+            f"| GRPO-only change | {mm(c['seconds'], '{:.0f}')} s; re-ran {', '.join(c['stages_rerun'])} | new `grpo.learning_rate`, then `dvc repro` |",
+            f"| **full_repro_seconds** | {mm(res['full_repro_seconds'], '{:.0f}')} s (goal ≤ 900) | `dvc repro --force`: every stage, set-up excluded |",
+            f"| GRPO-only change / full repro | {c['seconds']['median'] / res['full_repro_seconds']['median']:.2f} | |",
+            "", "Peak RSS per stage (MiB, max over the full repros; each stage records its own): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in res["peak_rss_mb_per_stage"].items()),
         ]
-    if g:
-        lines.append(f"| GRPO step | {g.get('seconds_per_step')} s, {g.get('completions_per_step')} completions | metrics/grpo_train.json |")
-    lines += ["", "Stage runtimes of the last `dvc repro` (s): " + json.dumps(rt), ""]
     Path("BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

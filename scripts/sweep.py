@@ -40,11 +40,16 @@ def load_space(path: str) -> dict:
     for key in ("objective", "grid", "random"):
         if key not in space:
             sys.exit(f"{path}: missing section '{key}'")
+    FIXED.clear()
+    FIXED.update(space.get("fixed") or {})
     return space
 
 
+FIXED: dict = {}  # the space file's `fixed:` section: set in every trial, not searched (e.g. fewer steps)
+
+
 def set_args(point: dict) -> list[str]:
-    return [a for k, v in point.items() for a in ("-S", f"{k}={v}")]
+    return [a for k, v in {**FIXED, **point}.items() for a in ("-S", f"{k}={v}")]
 
 
 def sample(dist: dict, rng: random.Random):

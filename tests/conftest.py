@@ -62,13 +62,15 @@ def copy_repo(tmp_path):
     """A copy of the repository (code, dvc.yaml, params) as a fresh git repo."""
     dst = tmp_path / "repo"
     top_level = {".venv", ".git", "data", "models", "checkpoints", "eval", "metrics", "dvclive", "runs", "wandb",
-                 "reports", "sweeps", ".pytest_cache"}
+                 "reports", "sweeps", ".pytest_cache", ".whl", ".gl"}
     anywhere = shutil.ignore_patterns("__pycache__", "*.egg-info")
 
     def ignore(directory, names):
         skip = set(anywhere(directory, names))
         if Path(directory) == ROOT:
             skip |= top_level & set(names)
+        if Path(directory) == ROOT / ".dvc":
+            skip |= {"cache", "tmp"} & set(names)  # the copy starts with an empty cache
         return skip
 
     shutil.copytree(ROOT, dst, ignore=ignore)

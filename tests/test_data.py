@@ -219,3 +219,35 @@ def test_max_value_bounds_every_intermediate_value():
     train, _ = generate_synthetic(5, 500, 10, 1, 19, ["+", "*"], {3: 1.0}, max_value=60)
     for r in train:
         assert all(int(v) <= 60 for v in re.findall(r">>(\d+)", r["answer"]))
+
+
+@pytest.mark.parametrize("x,op,b", [(19, "+", 7), (43, "-", 17), (18, "*", 4), (7, "*", 3), (5, "+", 3), (40, "-", 40),
+                                    (99, "-", 9), (45, "+", 54), (9, "*", 5)])
+def test_digit_line_is_correct_column_arithmetic(x, op, b):
+    from agentrl.data import digit_line
+
+    line = digit_line(x, op, b)
+    head, body = line.split(": ")
+    assert head == f"{x}{op}{b}"
+    *columns, total = body.split(", ")
+    for eq in columns + [total]:  # every written equation is true ('13-7=6', '1*4+3=7', ...)
+        lhs, rhs = eq.split("=")
+        assert eval(lhs) == int(rhs), line  # noqa: S307 - digits and + - * only
+    assert total == f"{x}{op}{b}={eval(f'{x}{op}{b}')}"
+    assert len(columns) == (1 if max(x, b, eval(f'{x}{op}{b}')) < 10 else 2)
+
+
+def test_digit_steps_rate_rewrites_only_training_solutions():
+    kw = dict(num_train=300, num_test=50, operand_min=1, operand_max=19, operations=["+", "-", "*"],
+              steps={1: 1, 2: 1, 3: 1}, max_value=99)
+    plain_train, plain_test = generate_synthetic(4, **kw)
+    train, test = generate_synthetic(4, digit_steps_rate=0.5, **kw)
+    digits = [r for r in train if r.get("style") == "digits"]
+    assert 100 < len(digits) < 200 and test == plain_test
+    for a, b in zip(plain_train, train):  # same problems and final answers, one digit line per step
+        assert a["question"] == b["question"]
+        assert a["answer"].rsplit("####")[1] == b["answer"].rsplit("####")[1]
+        if b.get("style") == "digits":
+            assert len(b["answer"].splitlines()) == b["steps"] + 1 and ": " in b["answer"]
+    checked = check_rows([RawRow("synthetic:train", i, r) for i, r in enumerate(train, 1)], "train", True)
+    assert len(checked.examples) == len(train) and not checked.bad  # prepare's parser accepts the digit style

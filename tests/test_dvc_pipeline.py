@@ -70,6 +70,17 @@ def test_full_pipeline_then_grpo_only_change(repo):
     assert ran_stages(run(["dvc", "repro"], repo).stdout) == []
     metrics = run(["dvc", "metrics", "show", "--json"], repo).stdout
     assert "eval_grpo.json" in metrics and "accuracy" in metrics
+    # `dvc plots show` renders the training curves and the accuracy per stage from the run's outputs
+    plots = json.loads(run(["dvc", "plots", "show", "--json"], repo).stdout)
+    for name, field in (("SFT loss", "loss"), ("SFT learning rate", "learning_rate"), ("GRPO reward", "reward"),
+                        ("GRPO completion length", "mean_length"), ("Accuracy per stage", "accuracy")):
+        values = plots["data"][name][0]["content"]["data"]["values"]
+        assert values and all(field in v or "reward_std" in v for v in values), name
+    stages = {v["stage"] for v in plots["data"]["Accuracy per stage"][0]["content"]["data"]["values"]}
+    assert stages == {"base", "sft", "grpo"}, stages
+    kl_coef = yaml.safe_load((repo / "params.yaml").read_text())["grpo"]["kl_coef"]
+    missing = {e["name"] for e in plots.get("errors", [])}
+    assert missing <= ({"GRPO KL"} if kl_coef == 0 else set()), plots.get("errors")  # TRL logs kl only if beta > 0
     set_param(repo, "grpo.learning_rate", 2e-4)
     rerun = ran_stages(run(["dvc", "repro"], repo).stdout)
     assert set(rerun) == {"grpo", "eval_grpo", "compare", "export", "eval_quantized"}, rerun

@@ -23,6 +23,7 @@ def test_score_greedy_metrics_hand_computed():
     assert m["format_rate"] == pytest.approx(0.75)
     assert m["num_samples"] == 4
     assert m["mean_completion_tokens"] == pytest.approx(5.0)
+    assert m["answer_only_rate"] == pytest.approx(0.25)  # '#### 4' shows no worked step
     # rewards: 1.5, 1.5, 0.5, 0.0
     assert m["average_reward"] == pytest.approx(3.5 / 4)
     assert m["accuracy_by_steps"] == {"1": 1.0, "2": 0.5, "3": 0.0}

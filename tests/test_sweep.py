@@ -30,6 +30,7 @@ def baseline(copy_repo):
     p["tracking"]["report_to"] = ["dvclive"]
     (copy_repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     space = {"objective": {"metric": "metrics/eval_grpo.json", "key": "accuracy", "direction": "maximize"},
+             "fixed": {"grpo.max_steps": 1},  # set in every trial, not searched
              "grid": {"grpo.learning_rate": [1e-4, 3e-4], "grpo.lora.r": [8], "grpo.kl_coef": [0.0]},
              "random": {"grpo.learning_rate": {"type": "loguniform", "low": 1e-4, "high": 1e-3},
                         "grpo.lora.r": {"type": "categorical", "choices": [4, 8]},
@@ -59,3 +60,6 @@ def test_grid_and_optuna_sweeps(baseline):
     assert (baseline / "sweeps/o/study.db").exists()
     shown = run(["dvc", "exp", "show", "--json"], baseline)
     assert shown.count("eval_grpo.json") >= 4
+    exps = [e for b in json.loads(shown) for e in (b.get("experiments") or [])]
+    steps = [r["data"]["params"]["params.yaml"]["data"]["grpo"]["max_steps"] for e in exps for r in e["revs"]]
+    assert steps and set(steps) == {1}, steps  # the space's `fixed` section reached every trial

@@ -1,6 +1,8 @@
 """Short real runs of the stages on a miniature configuration (tiny model, a few steps)."""
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +110,13 @@ def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
     assert "learning_rate" in text or b"learning_rate" in blob
     assert b"git_commit" in blob or "git_commit" in text
     assert b"sk-test-secret-key" not in blob and "sk-test-secret-key" not in text
+    # the W&B Report (scripts/wandb_report.py) plots keys the stages really log
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import wandb_report
+
+    logged = [k for _, keys in wandb_report.TRAINING_PANELS for k in keys
+              if k != "train/kl" or trained["params"].grpo.kl_coef > 0]  # TRL logs kl only when beta > 0
+    assert logged and all(k.encode() in blob for k in logged), [k for k in logged if k.encode() not in blob]
     # evaluation logged its per-sample predictions as a wandb.Table
     assert [t for r in runs for t in r.rglob("*.table.json")], "no predictions table in the offline runs"
 

@@ -15,7 +15,7 @@ import random
 import tempfile
 import time
 
-from .common import get_logger, precision_kwargs, resolve_precision, write_json
+from .common import get_logger, peak_rss_mb, precision_kwargs, resolve_precision, write_json
 from .config import Params, load_params_or_exit
 from .data import MULTIPLIER_MAX, load_jsonl
 from .modeling import STAGE_DIRS, build_tiny_model, load_model, load_tokenizer, train_tokenizer
@@ -130,6 +130,7 @@ def main() -> None:
     info = build_tiny(params) if params.model.base_model == "tiny" else from_hub(params)
     info["runtime_s"] = round(time.time() - t0, 2)
     load_tokenizer(STAGE_DIRS["base"])  # fail here, not downstream, if the saved tokenizer is unusable
+    info["peak_rss_mb"] = peak_rss_mb()
     write_json(METRICS, info)
     log.info("saved %s (%.1fs)", STAGE_DIRS["base"], info["runtime_s"])
 

@@ -44,6 +44,13 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MiB); each stage records it in its metrics."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return "cuda"

@@ -30,6 +30,7 @@ class SyntheticParams(Strict):
     operand_max: int = Field(19, ge=1)
     max_value: int = Field(99, ge=2)
     direct_answer_rate: float = Field(0.0, ge=0, le=1)
+    digit_steps_rate: float = Field(0.0, ge=0, le=1)
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
     steps: dict[int, float] = Field(default_factory=lambda: {1: 0.35, 2: 0.45, 3: 0.2})
 
@@ -135,6 +136,9 @@ class TrainCommon(Strict):
     lr_scheduler_type: str = "cosine"
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    # TRL turns gradient checkpointing on by default; it trades ~30% more compute for activation memory,
+    # a loss on a tiny model or CPU. Turn it on for large models on small GPUs.
+    gradient_checkpointing: bool = False
     logging_steps: int = Field(10, ge=1)
     save_steps: int = Field(100, ge=1)
     save_total_limit: int = Field(2, ge=1)

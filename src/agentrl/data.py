@@ -35,13 +35,33 @@ MUL_SOL = "{x}*{b}=<<{x}*{b}={y}>>{y}"
 MULTIPLIER_MAX = 5  # "b times as many": keeps products in a range a tiny model can learn
 
 
+def digit_line(x: int, op: str, b: int) -> str:
+    """One step worked digit by digit, units then tens, carries and borrows written out, e.g.
+    '19+7: 9+7=16, 1+0+1=2, 19+7=26'  '43-17: 13-7=6, 4-1-1=2, 43-17=26'  '18*4: 8*4=32, 1*4+3=7, 18*4=72'.
+    Values stay below 100 (max_value), so two digit columns suffice; one-digit results skip the tens."""
+    y = {"+": x + b, "-": x - b, "*": x * b}[op]
+    (xt, xu), (bt, bu) = divmod(x, 10), divmod(b, 10)
+    if op == "+":
+        units, carry = f"{xu}+{bu}={xu + bu}", (xu + bu) // 10
+        tens = f"{xt}+{bt}+{carry}={xt + bt + carry}" if carry else f"{xt}+{bt}={xt + bt}"
+    elif op == "-":
+        borrow = int(xu < bu)
+        units = f"{xu + 10 * borrow}-{bu}={xu + 10 * borrow - bu}"
+        tens = f"{xt}-{bt}-1={xt - bt - 1}" if borrow else f"{xt}-{bt}={xt - bt}"
+    else:
+        units, carry = f"{xu}*{b}={xu * b}", (xu * b) // 10
+        tens = f"{xt}*{b}+{carry}={xt * b + carry}" if carry else f"{xt}*{b}={xt * b}"
+    parts = [units] if y < 10 and x < 10 and b < 10 else [units, tens]
+    return f"{x}{op}{b}: " + ", ".join(parts) + f", {x}{op}{b}={y}"
+
+
 def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str], max_value: int) -> dict | None:
     name, p, o = rng.choice(NAMES)
     items = rng.choice(ITEMS)
     x = rng.randint(max(lo, 1), hi)
     fmt = dict(Name=name, P=p.capitalize(), p=p, o="him" if p == "he" else "her", items=items)
     question = [f"{name} has {x} {items}."]
-    solution = []
+    solution, digits = [], []
     for _ in range(steps):
         for _attempt in range(50):  # keep every intermediate value within [0, max_value]
             op = rng.choice([op for op in ops if op != "-" or x >= max(lo, 1)] or ["+"])
@@ -60,19 +80,22 @@ def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str
             return None  # no operation keeps this chain within max_value: the caller draws another problem
         question.append(q.format(b=b, **fmt))
         solution.append(s.format(x=x, b=b, y=y, **fmt))
+        digits.append(digit_line(x, op, b))
         x = y
     question.append(f"How many {items} does {name} have now?")
-    return {"question": " ".join(question), "answer": "\n".join(solution) + f"\n#### {x}", "steps": steps}
+    return {"question": " ".join(question), "answer": "\n".join(solution) + f"\n#### {x}", "steps": steps,
+            "digits_answer": "\n".join(digits) + f"\n#### {x}"}
 
 
 def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: int, operand_max: int,
                        operations: list[str], steps: dict[int, float], max_value: int = 10**9,
-                       direct_answer_rate: float = 0.0) -> tuple[list[dict], list[dict]]:
+                       direct_answer_rate: float = 0.0, digit_steps_rate: float = 0.0) -> tuple[list[dict], list[dict]]:
     """Seeded GSM8K-format problems; train and test questions are unique and disjoint.
 
     A share `direct_answer_rate` of the *training* solutions states only the final answer
-    ('#### 31', no worked steps), as real solution sets mix worked and terse answers. Test rows
-    always keep the full worked solution (it is only a reference there).
+    ('#### 31', no worked steps), as real solution sets mix worked and terse answers. A share
+    `digit_steps_rate` of the other training solutions works each step digit by digit (see
+    `digit_line`). Test rows always keep the compact worked solution (it is only a reference there).
     """
     rng = random.Random(seed)
     step_values, weights = list(steps), [steps[k] for k in steps]
@@ -96,9 +119,15 @@ def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: in
     train = rows[:num_train]
     style = random.Random(seed + 1)
     for row in train:
-        if style.random() < direct_answer_rate:
+        r = style.random()
+        if r < direct_answer_rate:
             row["answer"] = "#### " + row["answer"].rsplit("####", 1)[1].strip()
             row["style"] = "direct"
+        elif r < direct_answer_rate + (1 - direct_answer_rate) * digit_steps_rate:
+            row["answer"] = row["digits_answer"]
+            row["style"] = "digits"
+    for row in rows:
+        del row["digits_answer"]
     return train, rows[num_train:]
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from .common import get_logger, torch_dtype, write_json
+from .common import get_logger, peak_rss_mb, torch_dtype, write_json
 from .config import Params, load_params_or_exit
 from .data import load_jsonl, write_jsonl
 from .rewards import answers_match, build_rewards, extract_answer, normalize_number
@@ -77,7 +77,7 @@ def score(rows: list[dict], samples: list[list[tuple[str, int]]], rewards: dict[
           reward_kwargs: dict) -> tuple[dict, list[dict]]:
     """Metrics + per-sample predictions from test rows and their generated samples (pure; unit-tested)."""
     funcs, weights = build_rewards(rewards, reward_kwargs)
-    preds, correct_first, fmt, tokens, rew = [], 0, 0, [], []
+    preds, correct_first, fmt, tokens, rew, answer_only = [], 0, 0, [], [], 0
     pass_k, majority = 0, 0
     by_steps: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for row, outs in zip(rows, samples):
@@ -90,6 +90,7 @@ def score(rows: list[dict], samples: list[list[tuple[str, int]]], rewards: dict[
         extracted = [extract_answer(c) for c in comps]
         ok = [answers_match(e, truth) for e in extracted]
         correct_first += ok[0]
+        answer_only += comps[0].lstrip().startswith("####")  # no worked step before the answer line
         fmt += sum(e is not None for e in extracted)
         tokens += [n for _, n in outs]
         rew += r_total
@@ -112,6 +113,7 @@ def score(rows: list[dict], samples: list[list[tuple[str, int]]], rewards: dict[
         "format_rate": fmt / (n * k) if n else 0.0,
         "num_samples": n,
         "mean_completion_tokens": sum(tokens) / len(tokens) if tokens else 0.0,
+        "answer_only_rate": answer_only / n if n else 0.0,
         "accuracy_by_steps": {s: round(c / t, 4) for s, (c, t) in sorted(by_steps.items())},
     }
     if k > 1:
@@ -148,6 +150,7 @@ def evaluate(params: Params, stage: str, name: Optional[str] = None, quantize: s
     metrics.update({"samples_per_second": round(len(rows) / elapsed, 3), "eval_seconds": round(elapsed, 2),
                     "stage": stage, "quantize": quantize})
     write_jsonl(Path("eval") / name / "predictions.jsonl", preds)
+    metrics["peak_rss_mb"] = peak_rss_mb()
     write_json(f"metrics/eval_{name}.json", metrics)
     if log_to_trackers:
         from .tracking import log_eval_to_wandb

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .common import get_logger, write_json
+from .common import get_logger, peak_rss_mb, write_json
 from .config import Params, load_params_or_exit
 from .data import load_jsonl
 from .modeling import STAGE_DIRS, load_model, load_policy, load_tokenizer
@@ -88,6 +88,7 @@ def export(params: Params) -> dict:
         "parameters": sum(p.numel() for p in reloaded.parameters()),
         "passed": diff <= params.export.max_abs_logit_diff and same == len(prompts),
     }
+    metrics["peak_rss_mb"] = peak_rss_mb()
     write_json(METRICS, metrics)
     if not metrics["passed"]:
         raise ExportVerificationError(

@@ -16,7 +16,7 @@ import time
 
 from .common import (
     code_files, configure_cpu_threads, file_digest, fingerprint, get_logger, is_main_process,
-    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size,
+    peak_rss_mb, precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size,
 )
 from .config import Params, load_params_or_exit
 from .modeling import STAGE_DIRS, save_stage_result, attach, load_model, load_tokenizer, lora_config
@@ -77,6 +77,7 @@ def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs
         lr_scheduler_type=g.lr_scheduler_type,
         weight_decay=g.weight_decay,
         max_grad_norm=g.max_grad_norm,
+        gradient_checkpointing=g.gradient_checkpointing,
         logging_steps=g.logging_steps,
         save_strategy="steps",
         save_steps=g.save_steps,
@@ -173,6 +174,7 @@ def train(params: Params) -> dict:
         "num_processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
     }
+    metrics["peak_rss_mb"] = peak_rss_mb()
     save_stage_result(trainer, tok, STAGE_DIRS["grpo"], METRICS, metrics)
     if is_main_process():
         log.info("reward %.3f -> %.3f over %d steps (%.1fs); saved %s", metrics["reward_mean_first_20pct"] or 0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-from .common import get_logger, write_json
+from .common import get_logger, peak_rss_mb, write_json
 from .config import DataParams, Params, load_params_or_exit
 from .data import (
     RawRow, check_rows, generate_synthetic, normalized_questions, read_jsonl, rl_record, seeded_subset,
@@ -30,7 +30,7 @@ def load_raw(data: DataParams, seed: int) -> tuple[list[RawRow], list[RawRow]]:
         s = data.synthetic
         train, test = generate_synthetic(seed, s.num_train, s.num_test, s.operand_min, s.operand_max,
                                          list(s.operations), dict(s.steps), s.max_value,
-                                         s.direct_answer_rate)
+                                         s.direct_answer_rate, s.digit_steps_rate)
         return ([RawRow("synthetic:train", i, r) for i, r in enumerate(train, 1)],
                 [RawRow("synthetic:test", i, r) for i, r in enumerate(test, 1)])
     if data.source == "gsm8k":
@@ -83,6 +83,7 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
         "dropped": {"train": by_reason(train.bad), "test": by_reason(test.bad), "total": len(bad)},
         "steps_histogram_test": dict(sorted(collections.Counter(str(e.steps) for e in test_ex).items())),
     }
+    metrics["peak_rss_mb"] = peak_rss_mb()
     write_json(metrics_path, metrics)
     log.info("wrote %d sft/rl train and %d test rows to %s", n_sft, n_test, out_dir)
     return metrics

@@ -11,7 +11,7 @@ import time
 
 from .common import (
     code_files, configure_cpu_threads, effective_batch, file_digest, fingerprint, get_logger, is_main_process,
-    precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate,
+    peak_rss_mb, precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate,
 )
 from .config import Params, load_params_or_exit
 from .modeling import STAGE_DIRS, save_stage_result, load_model, load_tokenizer, lora_config
@@ -42,6 +42,7 @@ def sft_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs)
         lr_scheduler_type=s.lr_scheduler_type,
         weight_decay=s.weight_decay,
         max_grad_norm=s.max_grad_norm,
+        gradient_checkpointing=s.gradient_checkpointing,
         max_length=s.max_length,
         completion_only_loss=True,
         packing=False,
@@ -111,6 +112,7 @@ def train(params: Params) -> dict:
         "use_lora": params.sft.use_lora,
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }
+    metrics["peak_rss_mb"] = peak_rss_mb()
     save_stage_result(trainer, tok, STAGE_DIRS["sft"], METRICS, metrics)
     if is_main_process():
         log.info("loss %.3f -> %.3f in %d steps (%.1fs); saved %s", metrics["first_loss"] or 0,
