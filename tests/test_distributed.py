@@ -41,8 +41,15 @@ def test_two_process_sft_and_grpo(config, tmp_path, monkeypatch):
     params = load_params()
     prepare.prepare(params)
     base.build_tiny(params)
+    # a stale checkpoint from another config: every rank must agree not to resume it (rank 0 clears it
+    # before the others look; without that, a rank could try to load what rank 0 is deleting)
+    stale = tmp_path / "checkpoints/sft/checkpoint-999"
+    stale.mkdir(parents=True)
+    (stale / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoints/sft/fingerprint.txt").write_text("another-config\n")
 
     sft_run = launch(config, "agentrl.sft", tmp_path)
+    assert not stale.exists()
     grpo_run = launch(config, "agentrl.grpo", tmp_path)
 
     for stage, run in (("sft", sft_run), ("grpo", grpo_run)):

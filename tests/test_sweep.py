@@ -63,3 +63,7 @@ def test_grid_and_optuna_sweeps(baseline):
     exps = [e for b in json.loads(shown) for e in (b.get("experiments") or [])]
     steps = [r["data"]["params"]["params.yaml"]["data"]["grpo"]["max_steps"] for e in exps for r in e["revs"]]
     assert steps and set(steps) == {1}, steps  # the space's `fixed` section reached every trial
+    # no trial retrained SFT (queued runs included): every experiment carries the baseline's SFT metrics
+    sft = [r["data"]["metrics"]["metrics/sft_train.json"]["data"]["runtime_s"] for e in exps for r in e["revs"]]
+    baseline_sft = json.loads((baseline / "metrics/sft_train.json").read_text())["runtime_s"]
+    assert len(sft) == 4 and set(sft) == {baseline_sft}, (sft, baseline_sft)

@@ -128,7 +128,10 @@ def code_files() -> list[Path]:
 
 def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
     """The last checkpoint in output_dir if it was written by a run with the same fingerprint `key`;
-    otherwise the directory is cleared (a changed config must not resume a stale run)."""
+    otherwise the directory is cleared (a changed config must not resume a stale run).
+
+    With several processes call it inside `args.main_process_first(local=False)`: rank 0 clears a stale
+    directory and writes the new fingerprint before the other ranks look, so all ranks agree."""
     import shutil
 
     from transformers.trainer_utils import get_last_checkpoint

@@ -128,7 +128,8 @@ def train(params: Params) -> dict:
     key = fingerprint(params.seed, g.model_dump(), file_digest(DATA), *(file_digest(p) for p in code_files()),
                       file_digest(STAGE_DIRS["base"] / "model.safetensors"),
                       *(file_digest(p) for p in sorted(STAGE_DIRS["sft"].glob("*.safetensors"))))
-    resume = resumable_checkpoint(CHECKPOINTS, key)
+    with args.main_process_first(local=False, desc="checkpoint fingerprint"):  # rank 0 clears a stale dir first
+        resume = resumable_checkpoint(CHECKPOINTS, key)
     if resume:
         log.info("resuming from %s", resume)
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds, processing_class=tok,

@@ -87,7 +87,8 @@ def train(params: Params) -> dict:
     key = fingerprint(params.seed, params.sft.model_dump(), params.model.model_dump(), file_digest(DATA),
                       *(file_digest(p) for p in code_files()),
                       file_digest(STAGE_DIRS["base"] / "model.safetensors"))
-    resume = resumable_checkpoint(CHECKPOINTS, key)
+    with args.main_process_first(local=False, desc="checkpoint fingerprint"):  # rank 0 clears a stale dir first
+        resume = resumable_checkpoint(CHECKPOINTS, key)
     if resume:
         log.info("resuming from %s", resume)
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
