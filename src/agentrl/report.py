@@ -94,8 +94,8 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
         lo = [a - evals[s]["accuracy_ci95"][0] for a, s in zip(acc, names)]
         hi = [evals[s]["accuracy_ci95"][1] - a for a, s in zip(acc, names)]
         ax.bar(names, acc, yerr=[lo, hi], capsize=6, color=["#999", "#4c72b0", "#dd8452"][: len(names)])
-        for i, a in enumerate(acc):
-            ax.text(i, a + 0.01, f"{a:.1%}", ha="center", va="bottom")
+        for i, (a, h) in enumerate(zip(acc, hi)):
+            ax.text(i, a + h + 0.01, f"{a:.1%}", ha="center", va="bottom")  # above the CI's upper cap
         ax.set(ylabel="accuracy (held-out)", title="Accuracy per stage (95% CI)", ylim=(0, max(acc) * 1.3 + 0.05))
         save(fig, "accuracy_by_stage.png", "Accuracy per stage")
         fig, ax = plt.subplots(figsize=(6, 3.5))
