@@ -243,17 +243,21 @@ def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
             change.append({"seconds": round(secs, 1), "stages_rerun": stages_run(log)})
         out["grpo_change_repro"] = {"seconds": stats([c["seconds"] for c in change]),
                                     "stages_rerun": change[0]["stages_rerun"], "runs": change}
-        full, rss = [], {}
+        shutil.copy("params.yaml", d / "params.yaml")  # back to the workspace's params for the full repros
+        full, rss, acc = [], {}, []
         for _ in range(repro_repeats):  # everything from scratch (set-up excluded)
             shutil.rmtree(d / "checkpoints", ignore_errors=True)  # or sft/grpo would resume from their last step
             secs, log = timed([dvc, "repro", "--force"], cwd=tmp)
             full.append(secs)
+            c = json.loads((d / "metrics/compare.json").read_text())
+            acc.append({k: c[k] for k in ("base_accuracy", "sft_accuracy", "grpo_accuracy", "p_value")})
             for stage, f in STAGE_METRICS.items():
                 m = d / "metrics" / f"{f}.json"
                 if m.exists() and "peak_rss_mb" in json.loads(m.read_text()):
                     rss.setdefault(stage, []).append(json.loads(m.read_text())["peak_rss_mb"])
         out["full_repro_seconds"] = stats(full)
         out["full_repro_stages"] = stages_run(log)
+        out["full_repro_accuracies"] = acc  # identical across repeats when the pipeline is deterministic
         out["peak_rss_mb_per_stage"] = {k: max(v) for k, v in rss.items()}
     return out
 
@@ -326,6 +330,9 @@ def main() -> None:
             f"| GRPO-only change / full repro | {c['seconds']['median'] / res['full_repro_seconds']['median']:.2f} | |",
             "", "Peak RSS per stage (MiB, max over the full repros; each stage records its own): "
             + ", ".join(f"{k} {v:.0f}" for k, v in res["peak_rss_mb_per_stage"].items()),
+            "", "Accuracies of the full repros (base / SFT / GRPO): "
+            + "; ".join(f"{a['base_accuracy']:.3f} / {a['sft_accuracy']:.3f} / {a['grpo_accuracy']:.3f}"
+                        for a in res["full_repro_accuracies"]),
         ]
     Path("BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
