@@ -140,33 +140,25 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
     funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
     ds = load_dataset("json", data_files=grpo.DATA, split="train")
     step_t: list[float] = []
-    gen_t: list[float] = [0.0]
     gen_per_step: list[float] = []
 
     class Timer(TrainerCallback):
+        rollout_seconds = [0.0]  # replaced by grpo.time_rollouts' accumulator once the trainer exists
+
         def on_step_begin(self, *a, **k):
-            self.t, self.g = time.perf_counter(), gen_t[0]
+            self.t, self.g = time.perf_counter(), self.rollout_seconds[0]
 
         def on_step_end(self, *a, **k):
             step_t.append(time.perf_counter() - self.t)
-            gen_per_step.append(gen_t[0] - self.g)
+            gen_per_step.append(self.rollout_seconds[0] - self.g)
 
     with tempfile.TemporaryDirectory() as tmp:
         args = grpo.grpo_config(params, output_dir=tmp, report_to="none")
         args.max_steps, args.save_strategy, args.logging_steps = steps, "no", 1
         trainer = GRPOTrainer(model=grpo.starting_model(), reward_funcs=funcs, args=args, train_dataset=ds,
                               processing_class=load_tokenizer(STAGE_DIRS["sft"]), peft_config=grpo.peft_config(params),
-                              callbacks=[Timer()])
-        generate_once = trainer._generate_single_turn
-
-        def timed_generate(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return generate_once(*a, **kw)
-            finally:
-                gen_t[0] += time.perf_counter() - t
-
-        trainer._generate_single_turn = timed_generate
+                              callbacks=[timer := Timer()])
+        timer.rollout_seconds = grpo.time_rollouts(trainer)
         trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps

@@ -100,6 +100,23 @@ def starting_model():
     return attach(load_model(STAGE_DIRS["base"]), STAGE_DIRS["sft"], merge=True)
 
 
+def time_rollouts(trainer) -> list[float]:
+    """Wrap the trainer's rollout generation with a timer; the returned one-element list accumulates the
+    seconds spent generating (the generation share of a step; also used by scripts/bench.py)."""
+    seconds = [0.0]
+    generate_once = trainer._generate_single_turn
+
+    def timed_generate(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return generate_once(*a, **kw)
+        finally:
+            seconds[0] += time.perf_counter() - t
+
+    trainer._generate_single_turn = timed_generate
+    return seconds
+
+
 def _series(history: list[dict], key: str) -> list[float]:
     return [h[key] for h in history if key in h]
 
@@ -134,17 +151,7 @@ def train(params: Params) -> dict:
         log.info("resuming from %s", resume)
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds, processing_class=tok,
                           peft_config=peft_config(params), callbacks=callbacks)
-    gen_seconds = [0.0]
-    generate_once = trainer._generate_single_turn  # time the rollouts (generation share of a step)
-
-    def timed_generate(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return generate_once(*a, **kw)
-        finally:
-            gen_seconds[0] += time.perf_counter() - t
-
-    trainer._generate_single_turn = timed_generate
+    gen_seconds = time_rollouts(trainer)
     t0 = time.time()
     out = trainer.train(resume_from_checkpoint=resume)
     runtime = time.time() - t0

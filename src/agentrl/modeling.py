@@ -102,17 +102,16 @@ def attach(model, path: str | Path, merge: bool):
 
 def load_policy(stage: str, dtype: torch.dtype = torch.float32, merge: bool = True):
     """(model, tokenizer) of a stage's policy: base, sft, grpo (chain of adapters) or merged."""
-    if stage in ("base", "merged"):
-        if not (Path(STAGE_DIRS[stage]) / "config.json").exists():
-            raise FileNotFoundError(f"{STAGE_DIRS[stage]}/config.json not found: run the '{stage if stage == 'base' else 'export'}' "
-                                    f"stage first (dvc repro {stage if stage == 'base' else 'export'})")
-        return load_model(STAGE_DIRS[stage], dtype), load_tokenizer(STAGE_DIRS[stage])
-    if stage not in ("sft", "grpo"):
+    chains = {"base": ["base"], "merged": ["merged"], "sft": ["base", "sft"], "grpo": ["base", "sft", "grpo"]}
+    if stage not in chains:
         raise ValueError(f"unknown stage '{stage}'; expected base, sft, grpo or merged")
-    for needed in ["base", "sft"] + (["grpo"] if stage == "grpo" else []):
+    for needed in chains[stage]:
         if not (Path(STAGE_DIRS[needed]) / "config.json").exists() and not is_adapter(STAGE_DIRS[needed]):
-            raise FileNotFoundError(f"{STAGE_DIRS[needed]} holds no model or adapter: run the '{needed}' stage "
-                                    f"first (dvc repro {needed})")
+            producer = "export" if needed == "merged" else needed
+            raise FileNotFoundError(f"{STAGE_DIRS[needed]} holds no model or adapter: run the '{producer}' stage "
+                                    f"first (dvc repro {producer})")
+    if stage in ("base", "merged"):
+        return load_model(STAGE_DIRS[stage], dtype), load_tokenizer(STAGE_DIRS[stage])
     model = load_model(STAGE_DIRS["base"], dtype)
     model = attach(model, STAGE_DIRS["sft"], merge=(stage == "grpo") or merge)
     if stage == "grpo":
