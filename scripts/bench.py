@@ -4,8 +4,10 @@
 Writes BENCHMARKS.md (table + how each figure was obtained) and metrics/bench.json. Each figure is the
 median of --repeats runs (default 3) with min and max; the pipeline timings (full repro, GRPO-only
 change) of --repro-repeats runs, made in a scratch copy of the repository so the workspace is untouched.
-Needs a finished `dvc repro` (models/base, models/sft, data/prepared). Goals (reported, never
-asserted): SFT ratio <= 1.25, eval speed-up >= 10, no-op repro <= 5 s, full repro <= 900 s.
+Needs a finished `dvc repro` (models/base, models/sft, models/grpo, data/prepared). Goals (reported,
+never asserted): SFT ratio <= 1.25 (each trainer step paired with a plain PyTorch step on the same
+batch), eval speed-up >= 10 (batched vs one problem at a time, on the SFT and GRPO models), no-op repro
+<= 5 s, full repro <= 900 s.
 
     python scripts/bench.py [--repeats 3] [--repro-repeats 3] [--skip-dvc]
 """
@@ -32,15 +34,24 @@ from agentrl.common import write_json  # noqa: E402
 from agentrl.config import load_params  # noqa: E402
 from agentrl.data import load_jsonl  # noqa: E402
 
-STEPS = 20
+STEPS = 40
+EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_tokens: not the hard case
 
 
 def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": len(xs)}
 
 
-def sft_trainer_step_time(params, trl_defaults: bool) -> float:
-    """Seconds per optimizer step of SFTTrainer (steps 5..STEPS, warm-up excluded)."""
+def sft_step_times(params, trl_defaults: bool) -> dict:
+    """Seconds per optimizer step of SFTTrainer, each paired with a plain PyTorch step on the same batch.
+
+    The trainer's step is the wall time from the end of one step to the end of the next (data loading,
+    collation, forward/backward, clipping, optimizer and scheduler, logging: everything it does per step),
+    less the plain step run in between. The plain step runs forward (HF loss on the collated labels),
+    backward, clip, fused AdamW on a second copy of the same model, right after the trainer's step on the
+    same collated batch, so both see the same sequence lengths and the same machine state. Medians of steps
+    6..STEPS (warm-up excluded).
+    """
     from datasets import load_dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -50,78 +61,83 @@ def sft_trainer_step_time(params, trl_defaults: bool) -> float:
 
     tok = load_tokenizer(STAGE_DIRS["base"])
     tok.padding_side = "right"
-    ds = load_dataset("json", data_files=sft.DATA, split="train").select(range(params.sft.per_device_train_batch_size * STEPS))
-    times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if trl_defaults:  # what a plain TRL script gets: library defaults except batch/steps
-            args = SFTConfig(output_dir=tmp, per_device_train_batch_size=params.sft.per_device_train_batch_size,
-                             max_steps=STEPS, report_to="none", save_strategy="no", logging_steps=1000,
-                             use_cpu=not torch.cuda.is_available())  # bf16 stays at TRL's default
-        else:
-            args = sft.sft_config(params, output_dir=tmp, report_to="none")
-            args.max_steps, args.save_strategy, args.logging_steps = STEPS, "no", 1000
-        trainer = SFTTrainer(model=load_model(STAGE_DIRS["base"]), args=args, train_dataset=ds,
-                             processing_class=tok, peft_config=sft.peft_config(params), callbacks=[Timer()])
-        trainer.train()
-    return statistics.median(times[5:])
-
-
-def plain_loop_step_time(params) -> float:
-    """The floor: forward/backward/AdamW step on the same model, same batches, no trainer."""
-    from agentrl.modeling import STAGE_DIRS, load_model, load_tokenizer
-
-    tok = load_tokenizer(STAGE_DIRS["base"])
-    tok.padding_side = "right"
-    model = load_model(STAGE_DIRS["base"])
+    bs = params.sft.per_device_train_batch_size
+    ds = load_dataset("json", data_files=sft.DATA, split="train").select(range(bs * STEPS))
+    plain = load_model(STAGE_DIRS["base"])
     if params.sft.use_lora:
         from peft import get_peft_model
 
-        from agentrl.sft import peft_config
+        plain = get_peft_model(plain, sft.peft_config(params))
+    plain.train()
+    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=params.sft.learning_rate,
+                            fused=True)
+    batches: list[dict] = []
+    trainer_s: list[float] = []
+    plain_s: list[float] = []
 
-        model = get_peft_model(model, peft_config(params))
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.sft.learning_rate)
-    rows = load_jsonl("data/prepared/sft_train.jsonl")
-    bs = params.sft.per_device_train_batch_size
-    times = []
-    for step in range(STEPS):
-        batch = rows[step * bs:(step + 1) * bs]
-        texts = [tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=False) for r in batch]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    def plain_step(micro_batches: list[dict]) -> float:
         t = time.perf_counter()
-        loss = model(**enc, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), params.sft.max_grad_norm)
+        for b in micro_batches:
+            (plain(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+             / len(micro_batches)).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), params.sft.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[5:])
+        return time.perf_counter() - t
+
+    class Paired(TrainerCallback):
+        last, used = None, 0  # end of the previous step; collated batches already paired
+
+        def on_step_begin(self, *a, **k):
+            if self.last is None:  # first step: from its start
+                self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            trainer_s.append(time.perf_counter() - self.last)
+            plain_s.append(plain_step(batches[self.used:]))
+            self.used = len(batches)
+            self.last = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if trl_defaults:  # what a plain TRL script gets: library defaults except batch/steps
+            args = SFTConfig(output_dir=tmp, per_device_train_batch_size=bs, max_steps=STEPS, report_to="none",
+                             save_strategy="no", use_cpu=not torch.cuda.is_available())  # bf16: TRL's default
+        else:
+            args = sft.sft_config(params, output_dir=tmp, report_to="none")
+            args.max_steps, args.save_strategy = STEPS, "no"
+        trainer = SFTTrainer(model=load_model(STAGE_DIRS["base"]), args=args, train_dataset=ds,
+                             processing_class=tok, peft_config=sft.peft_config(params), callbacks=[Paired()])
+        collate = trainer.data_collator
+
+        def recording_collator(examples):
+            batch = collate(examples)
+            batches.append({k: v.clone() for k, v in batch.items()})
+            return batch
+
+        trainer.data_collator = recording_collator
+        trainer.train()
+    k = 5
+    return {"trainer": statistics.median(trainer_s[k:]), "plain_loop": statistics.median(plain_s[k:]),
+            "paired_ratio": statistics.median(t / p for t, p in zip(trainer_s[k:], plain_s[k:]))}
 
 
-def eval_speed(params, n: int) -> dict:
+def eval_speed(params, n: int, stage: str) -> dict:
+    """Problems/s of the evaluation's generate on `stage`'s model: batched (eval.batch_size) vs one at a time."""
     from agentrl.evaluate import generate, score
     from agentrl.modeling import load_policy
 
-    model, tok = load_policy("sft")
+    model, tok = load_policy(stage)
     model.eval()
     rows = load_jsonl("data/prepared/test.jsonl")[:n]
     prompts = [r["prompt"] for r in rows]
     out = {}
     for name, bs in (("batched", params.eval.batch_size), ("per_sample", 1)):
         t = time.perf_counter()
-        samples = generate(model, tok, prompts, bs, params.eval.max_new_tokens, desc=name)
+        samples = generate(model, tok, prompts, bs, params.eval.max_new_tokens, desc=f"{stage} {name}")
         dt = time.perf_counter() - t
         m, _ = score(rows, samples, {"accuracy": 1.0}, {})
-        out[name] = {"problems_per_second": n / dt, "accuracy": m["accuracy"]}
+        out[name] = {"problems_per_second": n / dt, "accuracy": m["accuracy"],
+                     "mean_completion_tokens": m["mean_completion_tokens"]}
     return out
 
 
@@ -269,21 +285,37 @@ def main() -> None:
                             f"torch {torch.__version__}", "repeats": a.repeats,
                  "repro_repeats": 0 if a.skip_dvc else a.repro_repeats}
 
-    ours = [sft_trainer_step_time(params, False) for _ in R]
-    trl_default = [sft_trainer_step_time(params, True) for _ in R]
-    plain = [plain_loop_step_time(params) for _ in R]
-    res["sft_step_seconds"] = {"ours": stats(ours), "trl_defaults": stats(trl_default), "plain_loop": stats(plain)}
-    res["sft_vs_plain_loop_ratio"] = statistics.median(ours) / statistics.median(plain)
-    res["sft_trl_defaults_vs_plain_loop_ratio"] = statistics.median(trl_default) / statistics.median(plain)
+    ours = [sft_step_times(params, False) for _ in R]
+    trl_default = [sft_step_times(params, True) for _ in R]
+    res["sft_step_seconds"] = {"ours": stats([x["trainer"] for x in ours]),
+                               "plain_loop": stats([x["plain_loop"] for x in ours]),
+                               "trl_defaults": stats([x["trainer"] for x in trl_default]),
+                               "plain_loop_beside_trl_defaults": stats([x["plain_loop"] for x in trl_default])}
+    res["sft_paired_ratios"] = {"ours": stats([x["paired_ratio"] for x in ours]),
+                                "trl_defaults": stats([x["paired_ratio"] for x in trl_default])}
+    res["sft_vs_plain_loop_ratio"] = res["sft_paired_ratios"]["ours"]["median"]
+    res["sft_trl_defaults_vs_plain_loop_ratio"] = res["sft_paired_ratios"]["trl_defaults"]["median"]
+
+    from agentrl import evaluate
 
     n = a.eval_problems or len(load_jsonl("data/prepared/test.jsonl"))
-    ev = [eval_speed(params, n) for _ in R]
     res["eval_problems"] = n
-    res["eval"] = {k: {"problems_per_second": stats([e[k]["problems_per_second"] for e in ev]),
-                       "accuracy": ev[0][k]["accuracy"]} for k in ("batched", "per_sample")}
-    res["eval_batched_vs_per_sample_speedup"] = (res["eval"]["batched"]["problems_per_second"]["median"]
-                                                 / res["eval"]["per_sample"]["problems_per_second"]["median"])
-    res["eval_identical_accuracy"] = all(e["batched"]["accuracy"] == e["per_sample"]["accuracy"] for e in ev)
+    res["eval"] = {}
+    for stage in EVAL_STAGES:
+        ev = [eval_speed(params, n, stage) for _ in R]
+        share, evaluate.PRUNE_SHARE = evaluate.PRUNE_SHARE, 2.0  # ablation: one generate call per batch
+        whole = [eval_speed(params, n, stage)["batched"] for _ in R]
+        evaluate.PRUNE_SHARE = share
+        e = {k: {"problems_per_second": stats([x[k]["problems_per_second"] for x in ev]),
+                 "accuracy": ev[0][k]["accuracy"], "mean_completion_tokens": ev[0][k]["mean_completion_tokens"]}
+             for k in ("batched", "per_sample")}
+        e["batched_one_call_per_batch"] = {"problems_per_second": stats([w["problems_per_second"] for w in whole]),
+                                           "accuracy": whole[0]["accuracy"]}
+        e["speedup"] = e["batched"]["problems_per_second"]["median"] / e["per_sample"]["problems_per_second"]["median"]
+        e["identical_accuracy"] = all(x["batched"]["accuracy"] == x["per_sample"]["accuracy"] for x in ev) and all(
+            w["accuracy"] == ev[0]["batched"]["accuracy"] for w in whole)
+        res["eval"][stage] = e
+    res["eval_batched_vs_per_sample_speedup"] = min(e["speedup"] for e in res["eval"].values())
 
     gr = [grpo_step_stats(params) for _ in R]
     res["grpo"] = {k: stats([x[k] for x in gr]) for k in ("seconds_per_step", "generation_share",
@@ -301,14 +333,21 @@ def main() -> None:
         f"{a.repeats} runs (min–max); the full and GRPO-change repros of {res['repro_repeats']} runs, in a "
         "scratch copy of the repository. Regenerate with `make bench`.", "",
         "| figure | value | how |", "|---|---|---|",
-        f"| SFT step, ours | {mm(s['ours'])} s | SFTTrainer with params.yaml's config, median of steps 6–{STEPS} |",
-        f"| SFT step, TRL defaults | {mm(s['trl_defaults'])} s | SFTConfig defaults (bf16 autocast where supported, gradient checkpointing on) |",
-        f"| SFT step, plain PyTorch loop | {mm(s['plain_loop'])} s | forward/backward/clip/AdamW on the same model and batch size, tokenization excluded |",
-        f"| **sft_vs_plain_loop_ratio** | {res['sft_vs_plain_loop_ratio']:.2f} (goal ≤ 1.25) | ours / plain loop |",
-        f"| TRL defaults / plain loop | {res['sft_trl_defaults_vs_plain_loop_ratio']:.2f} | |",
-        f"| eval batched | {mm(res['eval']['batched']['problems_per_second'], '{:.1f}')} problems/s | {n} held-out problems, `eval.batch_size` {params.eval.batch_size}, left padding, greedy |",
-        f"| eval one at a time | {mm(res['eval']['per_sample']['problems_per_second'], '{:.1f}')} problems/s | the same {n} problems at batch 1 (HelloAgents' way) |",
-        f"| **eval_batched_vs_per_sample_speedup** | {res['eval_batched_vs_per_sample_speedup']:.1f}× (goal ≥ 10) | identical accuracy: {res['eval_identical_accuracy']} |",
+        f"| SFT step, ours | {mm(s['ours'])} s | SFTTrainer with params.yaml's config: wall time from one step's end to the next (data loading, collation, logging included), steps 6–{STEPS} |",
+        f"| SFT step, plain PyTorch loop | {mm(s['plain_loop'])} s | forward (HF loss on the same collated labels) / backward / clip / fused AdamW on a second copy of the model, run on the same batch right after each trainer step |",
+        f"| **sft_vs_plain_loop_ratio** | {mm(res['sft_paired_ratios']['ours'], '{:.2f}')} (goal ≤ 1.25) | median over steps of trainer step / paired plain step |",
+        f"| SFT step, TRL defaults | {mm(s['trl_defaults'])} s (plain beside it {mm(s['plain_loop_beside_trl_defaults'])} s) | SFTConfig defaults (bf16 autocast where supported, gradient checkpointing on), same pairing |",
+        f"| TRL defaults / plain loop | {mm(res['sft_paired_ratios']['trl_defaults'], '{:.2f}')} | |",
+    ]
+    for stage, e in res["eval"].items():
+        lines += [
+            f"| eval {stage}, batched | {mm(e['batched']['problems_per_second'], '{:.1f}')} problems/s | {n} held-out problems, `eval.batch_size` {params.eval.batch_size}, left padding, greedy, ended rows leave the batch; {e['batched']['mean_completion_tokens']:.1f} tokens per completion |",
+            f"| eval {stage}, batched, one `generate` call per batch | {mm(e['batched_one_call_per_batch']['problems_per_second'], '{:.1f}')} problems/s | ablation: every row computed until the batch's longest ends |",
+            f"| eval {stage}, one at a time | {mm(e['per_sample']['problems_per_second'], '{:.1f}')} problems/s | the same {n} problems at batch 1 (HelloAgents' way) |",
+            f"| eval {stage} speed-up | {e['speedup']:.1f}× | identical accuracy: {e['identical_accuracy']} |",
+        ]
+    lines += [
+        f"| **eval_batched_vs_per_sample_speedup** | {res['eval_batched_vs_per_sample_speedup']:.1f}× (goal ≥ 10) | the smaller of the stages' speed-ups |",
         f"| GRPO optimizer step | {mm(g['seconds_per_step'])} s, {g['completions_per_step']} completions | GRPOTrainer with params.yaml's config, steps 3–12 |",
         f"| GRPO share of a step spent generating | {mm(g['generation_share'], '{:.2f}')} | rollout time / step time |",
         f"| GRPO rollout tokens/s | {mm(g['rollout_tokens_per_second'], '{:.0f}')} | completion tokens generated / rollout time |",

@@ -70,3 +70,65 @@ def test_paired_test():
     assert r["ci95"][0] > 0.1 and r["ci95"][1] <= 0.3
     with pytest.raises(ValueError, match="no common"):
         paired_test({"a": True}, {"b": True}, 0)
+
+
+def test_generate_drops_ended_rows_and_matches_one_generate_call():
+    """Rows that end leave the batch between `generate` calls; greedy output stays that of one call per batch."""
+    import collections
+
+    import torch
+
+    from agentrl.config import TinyModelParams
+    from agentrl.data import generate_synthetic
+    from agentrl.evaluate import generate
+    from agentrl.modeling import build_tiny_model, train_tokenizer
+
+    train, test = generate_synthetic(1, 300, 40, 1, 19, ["+", "*"], {1: 0.5, 2: 0.5})
+    tok = train_tokenizer([r["question"] + r["answer"] for r in train], 300)
+    model = build_tiny_model(tok, TinyModelParams(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16), 0)
+    torch.manual_seed(0)
+    for p in model.parameters():  # large random weights: completions that differ from prompt to prompt
+        p.data.normal_(0, 1.0)
+    model.eval()
+    prompts = [[{"role": "user", "content": r["question"]}] for r in test]
+    max_new = 24
+
+    def one_call(eos: int | None) -> list[list[int]]:
+        tok.padding_side = "left"
+        texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            seqs = model.generate(**enc, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=tok.pad_token_id)
+        return seqs[:, enc["input_ids"].shape[1]:].tolist()
+
+    # make "eos" the token whose first appearance varies most across prompts, so rows end at different steps
+    first = collections.defaultdict(set)
+    for row in one_call(None):
+        for t in set(row):
+            first[t].add(row.index(t))
+    eos = max(first, key=lambda t: len(first[t]))
+    tok.eos_token = tok.convert_ids_to_tokens(eos)
+    assert tok.eos_token_id == eos
+    expected = []
+    for row in one_call(eos):
+        n = row.index(eos) + 1 if eos in row else len(row)
+        expected.append([(tok.decode(row[:n], skip_special_tokens=True), n)])
+    lengths = [e[0][1] for e in expected]
+    assert len(set(lengths)) >= 4 and max(lengths) == max_new and min(lengths) < max_new // 2
+
+    calls = []
+    one_generate = model.generate
+    model.generate = lambda **kw: calls.append(kw["input_ids"].shape[0]) or one_generate(**kw)
+    assert generate(model, tok, prompts, batch_size=len(prompts), max_new_tokens=max_new) == expected
+    assert len(calls) > 1 and calls[0] == len(prompts) and all(a > b for a, b in zip(calls, calls[1:]))  # rows left
+    assert generate(model, tok, prompts, batch_size=7, max_new_tokens=max_new) == expected
+    assert generate(model, tok, prompts[:5], batch_size=1, max_new_tokens=max_new) == expected[:5]
+    # sampling with several samples per prompt: the right number, each no longer than the budget
+    sampled = generate(model, tok, prompts, batch_size=16, max_new_tokens=max_new, temperature=1.0,
+                       num_samples=3, seed=1)
+    assert [len(s) for s in sampled] == [3] * len(prompts)
+    assert all(0 < n <= max_new for s in sampled for _, n in s)
+    assert sampled == generate(model, tok, prompts, batch_size=16, max_new_tokens=max_new, temperature=1.0,
+                               num_samples=3, seed=1)  # seeded

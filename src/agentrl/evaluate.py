@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .common import get_logger, peak_rss_mb, torch_dtype, write_json
 from .config import Params, load_params_or_exit
@@ -28,13 +29,30 @@ TEST = "data/prepared/test.jsonl"
 log = get_logger("eval")
 
 
+PRUNE_SHARE = 0.5  # a generate call returns once this share of its rows has ended; they leave the batch
+
+
+class _RowsEnded(StoppingCriteria):
+    """Stops a `generate` call once `share` of its rows have produced eos since token `start`."""
+
+    def __init__(self, start: int, eos: int, share: float):
+        self.start, self.eos, self.share = start, eos, share
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        ended = (input_ids[:, self.start:] == self.eos).any(dim=1)
+        return torch.full_like(ended, bool(ended.float().mean() >= self.share))
+
+
 @torch.inference_mode()
 def generate(model, tokenizer, prompts: list[list[dict]], batch_size: int, max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, num_samples: int = 1, seed: int = 0,
              desc: str = "generate") -> list[list[tuple[str, int]]]:
     """Completions for chat prompts: [[(text, n_tokens)] * num_samples] per prompt, in input order.
 
-    Prompts are sorted by length and batched with left padding; greedy when temperature == 0.
+    Prompts are sorted by length and batched with left padding; greedy when temperature == 0. `generate`
+    alone keeps computing every row of a batch until its longest completion ends; here a call returns
+    once PRUNE_SHARE of its rows have ended, those rows leave the batch and its KV cache, and the rest go
+    on from the cache. Greedy output is the same as one `generate` call per batch (tested).
     """
     tokenizer.padding_side = "left"
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
@@ -43,23 +61,46 @@ def generate(model, tokenizer, prompts: list[list[dict]], batch_size: int, max_n
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     torch.manual_seed(seed)
-    sample = temperature > 0
-    gen_kw = dict(max_new_tokens=max_new_tokens, do_sample=sample, num_return_sequences=num_samples,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
-    if sample:
+    gen_kw = dict(do_sample=temperature > 0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                  return_dict_in_generate=True)
+    if temperature > 0:
         gen_kw.update(temperature=temperature, top_p=top_p, top_k=0)
     for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
         idx = order[start:start + batch_size]
         enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        seqs = model.generate(**enc, **gen_kw)
-        new = seqs[:, enc["input_ids"].shape[1]:]
+        ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
+        prompt_len = ids.shape[1]
+        rows = torch.arange(len(idx) * num_samples, device=device)  # row r: sample r % k of prompt idx[r // k]
+        ended: dict[int, list[int]] = {}
+        made = 0
+        while True:
+            res = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                                 max_new_tokens=max_new_tokens - made,
+                                 num_return_sequences=num_samples if cache is None else 1,
+                                 stopping_criteria=StoppingCriteriaList([_RowsEnded(ids.shape[1], eos, PRUNE_SHARE)]),
+                                 **gen_kw)
+            seqs, cache = res.sequences, res.past_key_values
+            new = seqs[:, ids.shape[1]:]
+            made += new.shape[1]
+            if mask.shape[0] != seqs.shape[0]:  # the first call expanded each prompt into its samples
+                mask = mask.repeat_interleave(num_samples, dim=0)
+            done = (new == eos).any(dim=1) | (made >= max_new_tokens)
+            for j in torch.nonzero(done).flatten().tolist():
+                ended[int(rows[j])] = seqs[j, prompt_len:].tolist()
+            keep = torch.nonzero(~done).flatten()
+            if keep.numel() == 0:
+                break
+            # a kept row has not ended, so all its new tokens are real: extend its mask; drop ended rows
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], new.shape[1])], dim=1)[keep]
+            ids, rows = seqs[keep], rows[keep]
+            cache.batch_select_indices(keep)
         for j, i in enumerate(idx):
-            rows = []
+            samples = []
             for k in range(num_samples):
-                ids = new[j * num_samples + k].tolist()
-                n = ids.index(eos) + 1 if eos in ids else len([t for t in ids if t != tokenizer.pad_token_id])
-                rows.append((tokenizer.decode(ids[:n], skip_special_tokens=True), n))
-            out[i] = rows
+                toks = ended[j * num_samples + k]
+                n = toks.index(eos) + 1 if eos in toks else len(toks)
+                samples.append((tokenizer.decode(toks[:n], skip_special_tokens=True), n))
+            out[i] = samples
     return out  # type: ignore[return-value]
 
 
