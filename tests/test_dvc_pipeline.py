@@ -27,6 +27,36 @@ def ran_stages(output: str) -> list[str]:
     return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
 
 
+def local_imports(module: str, src: Path) -> set[str]:
+    """The package modules `module` imports, directly or through each other (`from .x import`, `from . import x`)."""
+    import ast
+
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for node in ast.walk(ast.parse((src / f"{m}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                todo += [node.module] if node.module else [a.name for a in node.names]
+    return seen
+
+
+def test_every_stage_depends_on_all_the_code_it_runs():
+    """A stage's deps list every package module its entry module imports, so `dvc repro` re-runs it when
+    any of that code changes (and only then)."""
+    root = Path(__file__).resolve().parents[1]
+    src = root / "src/agentrl"
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    assert stages
+    for name, stage in stages.items():
+        module = stage["cmd"].split("-m agentrl.")[1].split()[0]
+        needed = {f"src/agentrl/{m}.py" for m in local_imports(module, src)}
+        missing = needed - set(stage["deps"])
+        assert not missing, f"dvc.yaml stage {name!r} runs agentrl.{module} but does not depend on {sorted(missing)}"
+
+
 @pytest.fixture
 def repo(copy_repo):
     (copy_repo / "params.yaml").write_text(yaml.safe_dump(mini_params(), sort_keys=False))

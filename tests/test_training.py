@@ -59,6 +59,9 @@ def test_sft_lowers_loss_and_writes_loadable_adapter(trained, monkeypatch):
     assert out.shape[1] >= 1
     saved = json.loads((trained["dir"] / "metrics/sft_train.json").read_text())
     assert saved["steps"] == 6 and saved["runtime_s"] > 0
+    # DVCLive's x axis is the optimizer step (logging_steps 1 here: steps 1..6, not log indices 0..5)
+    rows = (trained["dir"] / "dvclive/sft/plots/metrics/loss.tsv").read_text().splitlines()[1:]
+    assert [int(r.split("\t")[0]) for r in rows] == list(range(1, 7))
 
 
 def test_grpo_changes_adapter_and_logs_rewards(trained, monkeypatch):

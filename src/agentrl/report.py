@@ -50,7 +50,7 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
     if xs:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         _line(ax, xs, ys, "train loss")
-        ax.set(xlabel="log step (every sft.logging_steps)", ylabel="loss", title="SFT training loss")
+        ax.set(xlabel="optimizer step", ylabel="loss", title="SFT training loss")
         save(fig, "sft_loss.png", "SFT training loss")
     else:
         missing.append("dvclive/sft/plots/metrics/loss.tsv")
@@ -64,7 +64,7 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
         if len(sd) == len(ys):
             ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2,
                             label="± std")
-        ax.set(xlabel="log step (every grpo.logging_steps)", ylabel="reward", title="GRPO reward")
+        ax.set(xlabel="optimizer step", ylabel="reward", title="GRPO reward")
         ax.legend()
         save(fig, "grpo_reward.png", "GRPO reward per step")
     else:
@@ -80,7 +80,7 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
         if lx:
             ax2.plot(lx, ly, label="completion length", color="tab:green")
             ax2.set_ylabel("mean completion tokens")
-        ax.set(xlabel="log step", title="GRPO KL and completion length")
+        ax.set(xlabel="optimizer step", title="GRPO KL and completion length")
         save(fig, "grpo_kl_length.png", "GRPO KL and completion length")
 
     # 4. accuracy per stage with 95% CI, 5. accuracy by difficulty

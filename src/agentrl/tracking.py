@@ -67,6 +67,20 @@ class ParamsToWandb(TrainerCallback):
             wandb.config.update({"params": self.config, "git_commit": self.config["git_commit"]}, allow_val_change=True)
 
 
+def dvclive_callback(live):
+    """transformers' DVCLiveCallback with the optimizer step as DVCLive's step (the stock callback counts
+    its log calls, so every `logging_steps` would be one unit on the plots' x axis)."""
+    from transformers.integrations import DVCLiveCallback
+
+    class OptimizerStepDVCLive(DVCLiveCallback):
+        def on_log(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                self.live.step = state.global_step
+            super().on_log(args, state, control, **kwargs)
+
+    return OptimizerStepDVCLive(live=live)
+
+
 def setup(params: Params, stage: str) -> dict:
     """TrainingArguments kwargs (report_to, run_name) + callbacks for a training stage."""
     mode = wandb_mode(params)
@@ -83,13 +97,12 @@ def setup(params: Params, stage: str) -> dict:
         callbacks.append(ParamsToWandb(params))
     if "dvclive" in params.tracking.report_to:
         from dvclive import Live
-        from transformers.integrations import DVCLiveCallback
 
         from .common import is_main_process
 
         if is_main_process():
             live = Live(dir=f"dvclive/{stage}", save_dvc_exp=False, dvcyaml=None, report=None)
-            callbacks.append(DVCLiveCallback(live=live))
+            callbacks.append(dvclive_callback(live))
     name = os.environ.get("DVC_EXP_NAME")
     return {
         "report_to": report_to or "none",
