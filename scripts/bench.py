@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from agentrl.common import write_json  # noqa: E402
+from agentrl.common import peak_rss_mb, write_json  # noqa: E402
 from agentrl.config import load_params  # noqa: E402
 from agentrl.data import load_jsonl  # noqa: E402
 
@@ -261,8 +260,8 @@ def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
             acc.append({k: c[k] for k in ("base_accuracy", "sft_accuracy", "grpo_accuracy", "p_value")})
             for stage, f in STAGE_METRICS.items():
                 m = d / "metrics" / f"{f}.json"
-                if m.exists() and "peak_rss_mb" in json.loads(m.read_text()):
-                    rss.setdefault(stage, []).append(json.loads(m.read_text())["peak_rss_mb"])
+                if m.exists() and "peak_rss_mb" in (stage_metrics := json.loads(m.read_text())):
+                    rss.setdefault(stage, []).append(stage_metrics["peak_rss_mb"])
         out["full_repro_seconds"] = stats(full)
         out["full_repro_stages"] = stages_run(log)
         out["full_repro_accuracies"] = acc  # identical across repeats when the pipeline is deterministic
@@ -321,7 +320,7 @@ def main() -> None:
     res["grpo"] = {k: stats([x[k] for x in gr]) for k in ("seconds_per_step", "generation_share",
                                                           "rollout_tokens_per_second")}
     res["grpo"]["completions_per_step"] = params.grpo.per_device_train_batch_size * params.grpo.gradient_accumulation_steps
-    res["peak_rss_mb_bench_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    res["peak_rss_mb_bench_process"] = peak_rss_mb()
     if not a.skip_dvc:
         res.update(dvc_timings(params, a.repeats, a.repro_repeats))
     write_json("metrics/bench.json", res)

@@ -40,16 +40,13 @@ def load_space(path: str) -> dict:
     for key in ("objective", "grid", "random"):
         if key not in space:
             sys.exit(f"{path}: missing section '{key}'")
-    FIXED.clear()
-    FIXED.update(space.get("fixed") or {})
     return space
 
 
-FIXED: dict = {}  # the space file's `fixed:` section: set in every trial, not searched (e.g. fewer steps)
-
-
-def set_args(point: dict) -> list[str]:
-    return [a for k, v in {**FIXED, **point}.items() for a in ("-S", f"{k}={v}")]
+def set_args(point: dict, space: dict) -> list[str]:
+    """`-S key=value` for a trial: the space's `fixed:` section (set in every trial, not searched, e.g.
+    fewer steps), then the point."""
+    return [a for k, v in {**(space.get("fixed") or {}), **point}.items() for a in ("-S", f"{k}={v}")]
 
 
 def sample(dist: dict, rng: random.Random):
@@ -111,7 +108,7 @@ def queue_and_run(name: str, points: list[dict], jobs: int, space: dict) -> dict
     names = []
     for i, point in enumerate(points):
         exp = f"{name}-{int(started)}-{i}"
-        sh(["dvc", "exp", "run", "--queue", "--name", exp, *set_args(point)])
+        sh(["dvc", "exp", "run", "--queue", "--name", exp, *set_args(point, space)])
         names.append(exp)
     sh(["dvc", "queue", "start", "-j", str(jobs)])
     while True:  # wait for the queue to drain
@@ -148,7 +145,7 @@ def run_optuna(name: str, space: dict, trials: int) -> dict:
             else:
                 point[k] = trial.suggest_categorical(k, dist["choices"])
         exp = f"{name}-t{trial.number}"
-        sh(["dvc", "exp", "run", "--name", exp, *set_args(point)])
+        sh(["dvc", "exp", "run", "--name", exp, *set_args(point, space)])
         value = json.loads(Path(obj["metric"]).read_text())[obj["key"]]
         names.append(exp)
         return value

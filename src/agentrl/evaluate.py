@@ -70,7 +70,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], batch_size: int, max_n
         enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
         prompt_len = ids.shape[1]
-        rows = torch.arange(len(idx) * num_samples, device=device)  # row r: sample r % k of prompt idx[r // k]
+        rows = list(range(len(idx) * num_samples))  # row r: sample r % k of prompt idx[r // k]
         ended: dict[int, list[int]] = {}
         made = 0
         while True:
@@ -86,13 +86,13 @@ def generate(model, tokenizer, prompts: list[list[dict]], batch_size: int, max_n
                 mask = mask.repeat_interleave(num_samples, dim=0)
             done = (new == eos).any(dim=1) | (made >= max_new_tokens)
             for j in torch.nonzero(done).flatten().tolist():
-                ended[int(rows[j])] = seqs[j, prompt_len:].tolist()
+                ended[rows[j]] = seqs[j, prompt_len:].tolist()
             keep = torch.nonzero(~done).flatten()
             if keep.numel() == 0:
                 break
             # a kept row has not ended, so all its new tokens are real: extend its mask; drop ended rows
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], new.shape[1])], dim=1)[keep]
-            ids, rows = seqs[keep], rows[keep]
+            ids, rows = seqs[keep], [rows[j] for j in keep.tolist()]
             cache.batch_select_indices(keep)
         for j, i in enumerate(idx):
             samples = []
