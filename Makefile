@@ -14,15 +14,23 @@ MODEL ?= models/merged
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup repro test test-slow test-all serve report wandb-report bench loadtest train-ddp train-zero2 train-zero3 \
-	train-zero3-offload train-multinode sweep-grid sweep-random sweep-optuna clean help
+.PHONY: setup repro lint test test-slow test-all serve report wandb-report bench bench-tools loadtest train-ddp train-zero2 train-zero3 \
+	train-zero3-offload train-multinode sweep-grid sweep-random sweep-optuna recipe clean help
 
 help:
 	@echo "make repro   - install pinned deps into $(VENV) and run the DVC pipeline (dvc repro)"
+	@echo "make lint    - ruff check + ruff format --check (pinned ruff, config in pyproject.toml)"
 	@echo "make test    - install pinned deps and run the test suite"
 	@echo "make serve   - serve models/merged with FastAPI (PORT=$(PORT), MODEL=$(MODEL))"
 
+# EXTRAS=s3|gs|ssh (several: EXTRAS="s3 ssh"): also the DVC remote plugin(s), pinned in requirements-remotes.txt
+REMOTE_EXTRAS := s3 gs ssh
 setup: $(STAMP)
+ifneq ($(strip $(EXTRAS)),)
+	@for e in $(EXTRAS); do case " $(REMOTE_EXTRAS) " in *" $$e "*) ;; \
+	  *) echo "EXTRAS: unknown extra '$$e' (one or more of: $(REMOTE_EXTRAS))" >&2; exit 2;; esac; done
+	$(BIN)/python -m pip install -q -c requirements-remotes.txt $(addprefix dvc-,$(EXTRAS))
+endif
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +44,12 @@ $(STAMP): requirements.txt pyproject.toml
 repro: setup
 	dvc repro
 
+# ruff (pinned in requirements.txt, configured in pyproject.toml): lint rules and formatting
+LINT_PATHS := src scripts tests
+lint: setup
+	ruff check $(LINT_PATHS)
+	ruff format --check $(LINT_PATHS)
+
 test: setup
 	python -m pytest -m "not slow" $(PYTEST_ARGS)
 
@@ -47,6 +61,13 @@ test-all: setup
 
 serve: setup
 	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serve:app --host $(HOST) --port $(PORT)
+
+# MCP server over stdio (agentrl.mcp_server) for agents; README "Driving the pipeline from an agent (MCP)".
+# stdout is the protocol, so set-up output goes to stderr; clients run `make -s -C <repo> mcp`.
+.PHONY: mcp
+mcp:
+	@$(MAKE) --no-print-directory -s setup >&2
+	@exec $(BIN)/python -m agentrl.mcp_server
 
 loadtest: setup
 	python scripts/loadtest.py --model $(MODEL)
@@ -67,6 +88,12 @@ train-zero3-offload: ACCEL = zero3_offload
 train-ddp train-zero2 train-zero3 train-zero3-offload: setup
 	dvc exp run -S distributed.accelerate_config=configs/accelerate/$(ACCEL).yaml \
 	  -S distributed.num_processes=$(NPROC) $(DVC_EXP_ARGS)
+
+# A params recipe (configs/recipes/) as one DVC experiment: `dvc exp run -S ++key=value` per leaf of RECIPE,
+# validated first (scripts/recipe.py). E.g. make recipe RECIPE=configs/recipes/qwen3-0.6b-gsm8k.yaml
+RECIPE ?= configs/recipes/qwen3-0.6b-gsm8k.yaml
+recipe: setup
+	python scripts/recipe.py run $(RECIPE) -- $(DVC_EXP_ARGS)
 
 # Multi-node: run on every node with its MACHINE_RANK; MAIN_IP/MAIN_PORT name rank 0's address.
 MACHINE_RANK ?= 0
@@ -96,3 +123,33 @@ sweep-optuna: setup
 
 bench: setup
 	python scripts/bench.py
+
+# Only the tool loop's figures (loop vs plain generate, GRPO step with tools): metrics/bench_tools.json
+bench-tools: setup
+	python scripts/bench.py --tools-only
+
+# Sharing results (README "Sharing results"). DVC_REMOTE=<directory or s3://, gs://, ssh:// URL> overrides the
+# default remote of .dvc/config (~/.cache/agentrl/dvc-remote) for one command; GIT_REMOTE (default origin) is
+# where `dvc exp push/pull` send experiments, skipped when it does not exist.
+DVC_REMOTE ?=
+GIT_REMOTE ?= origin
+.PHONY: push pull publish register
+push: setup
+	python -m agentrl.share push $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
+pull: setup
+	python -m agentrl.share pull $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
+
+# Upload models/merged + its model card (models/card/README.md, the `card` stage) to the Hugging Face Hub.
+# The token comes from the HF_TOKEN environment variable only; PRIVATE=1 creates a private repository.
+publish: setup
+	@test -n "$(REPO_ID)" || { echo "make publish: REPO_ID is not set (make publish REPO_ID=<user>/<name>)" >&2; exit 2; }
+	python -m agentrl.card --publish "$(REPO_ID)" $(if $(PRIVATE),--private)
+
+# Register the exported model with GTO: an annotated git tag merged@vX.Y.Z on HEAD, whose dvc.lock pins the
+# weights (`git checkout merged@vX.Y.Z && make pull` gets them back). VERSION=vX.Y.Z, else the next patch.
+register: setup
+	@test -z "$$(git status --porcelain -- dvc.lock dvc.yaml params.yaml metrics)" || { echo "make register: dvc.lock, \
+	dvc.yaml, params.yaml or metrics/ differ from HEAD; commit them first (the tag names a commit)" >&2; exit 2; }
+	@test "$$(dvc status --json)" = "{}" || { echo "make register: the pipeline is not up to date (dvc status); \
+	run dvc repro and commit first" >&2; exit 2; }
+	gto register merged HEAD $(if $(VERSION),--version $(VERSION)) --message "models/merged at $$(git rev-parse --short HEAD)"

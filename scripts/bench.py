@@ -11,6 +11,7 @@ batch), eval speed-up >= 10 (batched vs one problem at a time, on the SFT and GR
 
     python scripts/bench.py [--repeats 3] [--repro-repeats 3] [--skip-dvc]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from agentrl.common import peak_rss_mb, write_json  # noqa: E402
-from agentrl.config import load_params  # noqa: E402
-from agentrl.data import load_jsonl  # noqa: E402
+from agentrl.common import peak_rss_mb, write_json
+from agentrl.config import load_params
+from agentrl.data import load_jsonl
 
 STEPS = 40
 EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_tokens: not the hard case
@@ -60,7 +61,7 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
 
     tok = load_tokenizer(STAGE_DIRS["base"])
     tok.padding_side = "right"
-    bs = params.sft.per_device_train_batch_size
+    bs = params.sft.trainer["per_device_train_batch_size"]
     ds = load_dataset("json", data_files=sft.DATA, split="train").select(range(bs * STEPS))
     plain = load_model(STAGE_DIRS["base"])
     if params.sft.use_lora:
@@ -68,8 +69,9 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
 
         plain = get_peft_model(plain, sft.peft_config(params))
     plain.train()
-    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=params.sft.learning_rate,
-                            fused=True)
+    opt = torch.optim.AdamW(
+        [p for p in plain.parameters() if p.requires_grad], lr=sft.learning_rate(params), fused=True
+    )
     batches: list[dict] = []
     trainer_s: list[float] = []
     plain_s: list[float] = []
@@ -77,9 +79,11 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
     def plain_step(micro_batches: list[dict]) -> float:
         t = time.perf_counter()
         for b in micro_batches:
-            (plain(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
-             / len(micro_batches)).backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), params.sft.max_grad_norm)
+            (
+                plain(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+                / len(micro_batches)
+            ).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), params.sft.trainer["max_grad_norm"])
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t
@@ -93,19 +97,31 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
 
         def on_step_end(self, *a, **k):
             trainer_s.append(time.perf_counter() - self.last)
-            plain_s.append(plain_step(batches[self.used:]))
+            plain_s.append(plain_step(batches[self.used :]))
             self.used = len(batches)
             self.last = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
         if trl_defaults:  # what a plain TRL script gets: library defaults except batch/steps
-            args = SFTConfig(output_dir=tmp, per_device_train_batch_size=bs, max_steps=STEPS, report_to="none",
-                             save_strategy="no", use_cpu=not torch.cuda.is_available())  # bf16: TRL's default
+            args = SFTConfig(
+                output_dir=tmp,
+                per_device_train_batch_size=bs,
+                max_steps=STEPS,
+                report_to="none",
+                save_strategy="no",
+                use_cpu=not torch.cuda.is_available(),
+            )  # bf16: TRL's default
         else:
             args = sft.sft_config(params, output_dir=tmp, report_to="none")
             args.max_steps, args.save_strategy = STEPS, "no"
-        trainer = SFTTrainer(model=load_model(STAGE_DIRS["base"]), args=args, train_dataset=ds,
-                             processing_class=tok, peft_config=sft.peft_config(params), callbacks=[Paired()])
+        trainer = SFTTrainer(
+            model=load_model(STAGE_DIRS["base"]),
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+            peft_config=sft.peft_config(params),
+            callbacks=[Paired()],
+        )
         collate = trainer.data_collator
 
         def recording_collator(examples):
@@ -116,27 +132,35 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
         trainer.data_collator = recording_collator
         trainer.train()
     k = 5
-    return {"trainer": statistics.median(trainer_s[k:]), "plain_loop": statistics.median(plain_s[k:]),
-            "paired_ratio": statistics.median(t / p for t, p in zip(trainer_s[k:], plain_s[k:]))}
+    return {
+        "trainer": statistics.median(trainer_s[k:]),
+        "plain_loop": statistics.median(plain_s[k:]),
+        "paired_ratio": statistics.median(t / p for t, p in zip(trainer_s[k:], plain_s[k:])),
+    }
 
 
 def eval_speed(params, n: int, stage: str) -> dict:
     """Problems/s of the evaluation's generate on `stage`'s model: batched (eval.batch_size) vs one at a time."""
     from agentrl.evaluate import generate, score
     from agentrl.modeling import load_policy
+    from agentrl.tools import toolset_from_params
 
     model, tok = load_policy(stage)
     model.eval()
+    toolset = toolset_from_params(params.agent, tok.eos_token)
     rows = load_jsonl("data/prepared/test.jsonl")[:n]
     prompts = [r["prompt"] for r in rows]
     out = {}
     for name, bs in (("batched", params.eval.batch_size), ("per_sample", 1)):
         t = time.perf_counter()
-        samples = generate(model, tok, prompts, bs, params.eval.max_new_tokens, desc=f"{stage} {name}")
+        samples = generate(model, tok, prompts, bs, params.eval.max_new_tokens, desc=f"{stage} {name}", toolset=toolset)
         dt = time.perf_counter() - t
         m, _ = score(rows, samples, {"accuracy": 1.0}, {})
-        out[name] = {"problems_per_second": n / dt, "accuracy": m["accuracy"],
-                     "mean_completion_tokens": m["mean_completion_tokens"]}
+        out[name] = {
+            "problems_per_second": n / dt,
+            "accuracy": m["accuracy"],
+            "mean_completion_tokens": m["mean_completion_tokens"],
+        }
     return out
 
 
@@ -158,30 +182,91 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
     gen_per_step: list[float] = []
 
     class Timer(TrainerCallback):
-        rollout_seconds = [0.0]  # replaced by grpo.time_rollouts' accumulator once the trainer exists
+        rollout = None  # grpo.ToolRollout, which times itself
 
         def on_step_begin(self, *a, **k):
-            self.t, self.g = time.perf_counter(), self.rollout_seconds[0]
+            self.t, self.g = time.perf_counter(), self.rollout.seconds
 
         def on_step_end(self, *a, **k):
             step_t.append(time.perf_counter() - self.t)
-            gen_per_step.append(self.rollout_seconds[0] - self.g)
+            gen_per_step.append(self.rollout.seconds - self.g)
 
     with tempfile.TemporaryDirectory() as tmp:
         args = grpo.grpo_config(params, output_dir=tmp, report_to="none")
         args.max_steps, args.save_strategy, args.logging_steps = steps, "no", 1
-        trainer = GRPOTrainer(model=grpo.starting_model(), reward_funcs=funcs, args=args, train_dataset=ds,
-                              processing_class=load_tokenizer(STAGE_DIRS["sft"]), peft_config=grpo.peft_config(params),
-                              callbacks=[timer := Timer()])
-        timer.rollout_seconds = grpo.time_rollouts(trainer)
+        tok = load_tokenizer(STAGE_DIRS["sft"])
+        rollout, tools = grpo.rollout_plan(params, args, tok)
+        if rollout is None:
+            raise SystemExit("bench: GRPO step timing needs the project's rollout function (not vLLM or chat tools)")
+        Timer.rollout = rollout
+        trainer = GRPOTrainer(
+            model=grpo.starting_model(),
+            reward_funcs=funcs,
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+            peft_config=grpo.peft_config(params),
+            callbacks=[Timer()],
+            rollout_func=rollout,
+            tools=tools,
+        )
         trainer.train()
-    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     k = 2  # warm-up steps left out
     gen = sum(gen_per_step[k:])
-    return {"seconds_per_step": statistics.median(step_t[k:]),
-            "generation_share": gen / sum(step_t[k:]),
-            "rollout_tokens_per_second": sum(lengths[k:]) * per_step / gen if gen else None}
+    return {
+        "seconds_per_step": statistics.median(step_t[k:]),
+        "generation_share": gen / sum(step_t[k:]),
+        "rollout_tokens_per_second": rollout.tokens / rollout.seconds if rollout.seconds else None,
+        "tool_use_rate": [h["tools/tool_use_rate"] for h in trainer.state.log_history if "tools/tool_use_rate" in h][
+            -1:
+        ]
+        or None,
+    }
+
+
+def tool_loop_speed(params, n: int, stage: str = "grpo") -> dict:
+    """Generated tokens/s of the tool loop (agent.generate_with_tools, tools from params.agent) against one
+    plain `model.generate` call per batch on the same prompts and batch size (which runs no tool: the model
+    writes every result itself). Tokens counted up to and including eos; the loop's count includes the
+    tool's inserted tokens, which it does not sample (both reported)."""
+    from agentrl.agent import generate_with_tools
+    from agentrl.modeling import load_policy
+    from agentrl.tools import toolset_from_params
+
+    model, tok = load_policy(stage)
+    model.eval()
+    toolset = toolset_from_params(params.agent, tok.eos_token)
+    prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[:n]]
+    bs, max_new = params.eval.batch_size, params.eval.max_new_tokens
+    t = time.perf_counter()
+    rolls = [r[0] for r in generate_with_tools(model, tok, prompts, toolset, max_new, batch_size=bs)]
+    loop_s = time.perf_counter() - t
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    plain_tokens, t = 0, time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(texts), bs):
+            enc = tok(texts[i : i + bs], return_tensors="pt", padding=True, add_special_tokens=False)
+            seqs = model.generate(
+                **enc,
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
+                plain_tokens += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+    plain_s = time.perf_counter() - t
+    loop_tokens = sum(r.num_tokens for r in rolls)
+    sampled = sum(sum(r.env_mask) for r in rolls)
+    return {
+        "loop_tokens_per_second": loop_tokens / loop_s,
+        "loop_sampled_tokens_per_second": sampled / loop_s,
+        "plain_tokens_per_second": plain_tokens / plain_s,
+        "ratio": (loop_tokens / loop_s) / (plain_tokens / plain_s),
+        "tool_calls": sum(len(r.calls) for r in rolls),
+        "problems": len(prompts),
+    }
 
 
 def timed(cmd: list[str], cwd: str | None = None) -> tuple[float, str]:
@@ -208,8 +293,13 @@ def scratch_copy(dst: Path) -> None:
     for d in ("data/prepared", "models", "checkpoints", "eval", "metrics", "dvclive", ".dvc/cache"):
         if Path(d).exists():
             shutil.copytree(d, dst / d, symlinks=True, dirs_exist_ok=True)
-    env = {**os.environ, "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost",
-           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@localhost"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "bench",
+        "GIT_AUTHOR_EMAIL": "bench@localhost",
+        "GIT_COMMITTER_NAME": "bench",
+        "GIT_COMMITTER_EMAIL": "bench@localhost",
+    }
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "bench copy"]):
         subprocess.run(cmd, cwd=dst, check=True, env=env, capture_output=True)
 
@@ -226,9 +316,17 @@ def set_param(path: Path, dotted: str, value) -> None:
     path.write_text(yaml.safe_dump(p, sort_keys=False))
 
 
-STAGE_METRICS = {"prepare": "prepare", "base": "base", "sft": "sft_train", "grpo": "grpo_train",
-                 "eval_base": "eval_base", "eval_sft": "eval_sft", "eval_grpo": "eval_grpo", "export": "export",
-                 "eval_quantized": "eval_merged_int8"}
+STAGE_METRICS = {
+    "prepare": "prepare",
+    "base": "base",
+    "sft": "sft_train",
+    "grpo": "grpo_train",
+    "eval_base": "eval_base",
+    "eval_sft": "eval_sft",
+    "eval_grpo": "eval_grpo",
+    "export": "export",
+    "eval_quantized": "eval_merged_int8",
+}
 
 
 def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
@@ -243,13 +341,16 @@ def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
         ran = stages_run(timed([dvc, "repro"], cwd=tmp)[1])
         if ran:
             print(f"bench: the scratch copy was not up to date, re-ran {ran}", file=sys.stderr)
-        change, lr = [], params.grpo.learning_rate
-        for i in range(repro_repeats):  # GRPO-only change: a new grpo.learning_rate each time
-            set_param(d / "params.yaml", "grpo.learning_rate", float(f"{lr * (1.5 + 0.25 * i):.3g}"))
+        change, lr = [], params.grpo.trainer["learning_rate"]
+        for i in range(repro_repeats):  # GRPO-only change: a new grpo.trainer.learning_rate each time
+            set_param(d / "params.yaml", "grpo.trainer.learning_rate", float(f"{lr * (1.5 + 0.25 * i):.3g}"))
             secs, log = timed([dvc, "repro"], cwd=tmp)
             change.append({"seconds": round(secs, 1), "stages_rerun": stages_run(log)})
-        out["grpo_change_repro"] = {"seconds": stats([c["seconds"] for c in change]),
-                                    "stages_rerun": change[0]["stages_rerun"], "runs": change}
+        out["grpo_change_repro"] = {
+            "seconds": stats([c["seconds"] for c in change]),
+            "stages_rerun": change[0]["stages_rerun"],
+            "runs": change,
+        }
         shutil.copy("params.yaml", d / "params.yaml")  # back to the workspace's params for the full repros
         full, rss, acc = [], {}, []
         for _ in range(repro_repeats):  # everything from scratch (set-up excluded)
@@ -269,57 +370,140 @@ def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
     return out
 
 
+def tools_only(params, repeats: int, n: int) -> None:
+    """`make bench-tools`: the tool loop against plain generate, and the GRPO step with tools (medians of
+    `repeats` runs) -> metrics/bench_tools.json and BENCHMARKS-tools.md."""
+    R = range(repeats)
+    tl = [tool_loop_speed(params, n) for _ in R]
+    gr = [grpo_step_stats(params) for _ in R]
+    res = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "repeats": repeats,
+        "problems": n,
+        "tools": list(params.agent.tools),
+        "tool_loop": {
+            k: stats([x[k] for x in tl])
+            for k in ("loop_tokens_per_second", "loop_sampled_tokens_per_second", "plain_tokens_per_second", "ratio")
+        },
+        "tool_calls": tl[0]["tool_calls"],
+        "grpo": {
+            k: stats([x[k] for x in gr]) for k in ("seconds_per_step", "generation_share", "rollout_tokens_per_second")
+        },
+    }
+    res["tool_loop_vs_plain_generate_ratio"] = res["tool_loop"]["ratio"]["median"]
+    write_json("metrics/bench_tools.json", res)
+    t, g = res["tool_loop"], res["grpo"]
+    mm = lambda x, f="{:.3f}": f"{f.format(x['median'])} ({f.format(x['min'])}–{f.format(x['max'])})"  # noqa: E731
+    lines = [
+        "# Benchmarks: the tool loop",
+        "",
+        f"Measured by `make bench-tools` on {res['machine']}; medians of {repeats} runs (min–max), on the GRPO "
+        f"model and {n} held-out problems, greedy, batch {params.eval.batch_size}.",
+        "",
+        "| figure | value | how |",
+        "|---|---|---|",
+        f"| tool loop, tokens/s | {mm(t['loop_tokens_per_second'], '{:.0f}')} (sampled only: "
+        f"{mm(t['loop_sampled_tokens_per_second'], '{:.0f}')}) | `agent.generate_with_tools`, {res['tool_calls']} "
+        "calculator calls, each result appended to the KV cache |",
+        f"| plain `generate`, tokens/s | {mm(t['plain_tokens_per_second'], '{:.0f}')} | one `model.generate` call "
+        "per batch on the same prompts, no tool |",
+        f"| **tool_loop_vs_plain_generate_ratio** | {mm(t['ratio'], '{:.2f}')} (goal ≥ 0.7) | loop tokens/s ÷ "
+        "plain tokens/s |",
+        f"| GRPO optimizer step with tools | {mm(g['seconds_per_step'])} s | GRPOTrainer + the tool loop as "
+        "rollout_func, params.yaml's config, steps 3–12 |",
+        f"| GRPO share of a step spent generating | {mm(g['generation_share'], '{:.2f}')} | |",
+        f"| GRPO rollout tokens/s | {mm(g['rollout_tokens_per_second'], '{:.0f}')} | tokens the policy sampled / "
+        "rollout time |",
+    ]
+    Path("BENCHMARKS-tools.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--repro-repeats", type=int, default=3, help="runs of the full and GRPO-change repros")
     ap.add_argument("--eval-problems", type=int, default=None, help="default: the whole held-out set")
-    ap.add_argument("--skip-dvc", action="store_true",
-                    help="skip the dvc timings (no-op repro, GRPO-only change, full repro)")
+    ap.add_argument(
+        "--skip-dvc", action="store_true", help="skip the dvc timings (no-op repro, GRPO-only change, full repro)"
+    )
+    ap.add_argument(
+        "--tools-only",
+        action="store_true",
+        help="only the tool-loop figures (loop vs plain generate, GRPO step with tools): metrics/bench_tools.json",
+    )
     a = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     params = load_params()
     R = range(a.repeats)
-    res: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                            f"torch {torch.__version__}", "repeats": a.repeats,
-                 "repro_repeats": 0 if a.skip_dvc else a.repro_repeats}
+    if a.tools_only:
+        tools_only(params, a.repeats, a.eval_problems or len(load_jsonl("data/prepared/test.jsonl")))
+        return
+    res: dict = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "repeats": a.repeats,
+        "repro_repeats": 0 if a.skip_dvc else a.repro_repeats,
+    }
 
     ours = [sft_step_times(params, False) for _ in R]
     trl_default = [sft_step_times(params, True) for _ in R]
-    res["sft_step_seconds"] = {"ours": stats([x["trainer"] for x in ours]),
-                               "plain_loop": stats([x["plain_loop"] for x in ours]),
-                               "trl_defaults": stats([x["trainer"] for x in trl_default]),
-                               "plain_loop_beside_trl_defaults": stats([x["plain_loop"] for x in trl_default])}
-    res["sft_paired_ratios"] = {"ours": stats([x["paired_ratio"] for x in ours]),
-                                "trl_defaults": stats([x["paired_ratio"] for x in trl_default])}
+    res["sft_step_seconds"] = {
+        "ours": stats([x["trainer"] for x in ours]),
+        "plain_loop": stats([x["plain_loop"] for x in ours]),
+        "trl_defaults": stats([x["trainer"] for x in trl_default]),
+        "plain_loop_beside_trl_defaults": stats([x["plain_loop"] for x in trl_default]),
+    }
+    res["sft_paired_ratios"] = {
+        "ours": stats([x["paired_ratio"] for x in ours]),
+        "trl_defaults": stats([x["paired_ratio"] for x in trl_default]),
+    }
     res["sft_vs_plain_loop_ratio"] = res["sft_paired_ratios"]["ours"]["median"]
     res["sft_trl_defaults_vs_plain_loop_ratio"] = res["sft_paired_ratios"]["trl_defaults"]["median"]
 
-    from agentrl import evaluate
+    from agentrl import agent
 
     n = a.eval_problems or len(load_jsonl("data/prepared/test.jsonl"))
     res["eval_problems"] = n
     res["eval"] = {}
     for stage in EVAL_STAGES:
         ev = [eval_speed(params, n, stage) for _ in R]
-        share, evaluate.PRUNE_SHARE = evaluate.PRUNE_SHARE, 2.0  # ablation: one generate call per batch
+        share, agent.PRUNE_SHARE = agent.PRUNE_SHARE, 2.0  # ablation: one generate call per batch
         whole = [eval_speed(params, n, stage)["batched"] for _ in R]
-        evaluate.PRUNE_SHARE = share
-        e = {k: {"problems_per_second": stats([x[k]["problems_per_second"] for x in ev]),
-                 "accuracy": ev[0][k]["accuracy"], "mean_completion_tokens": ev[0][k]["mean_completion_tokens"]}
-             for k in ("batched", "per_sample")}
-        e["batched_one_call_per_batch"] = {"problems_per_second": stats([w["problems_per_second"] for w in whole]),
-                                           "accuracy": whole[0]["accuracy"]}
+        agent.PRUNE_SHARE = share
+        e = {
+            k: {
+                "problems_per_second": stats([x[k]["problems_per_second"] for x in ev]),
+                "accuracy": ev[0][k]["accuracy"],
+                "mean_completion_tokens": ev[0][k]["mean_completion_tokens"],
+            }
+            for k in ("batched", "per_sample")
+        }
+        e["batched_one_call_per_batch"] = {
+            "problems_per_second": stats([w["problems_per_second"] for w in whole]),
+            "accuracy": whole[0]["accuracy"],
+        }
         e["speedup"] = e["batched"]["problems_per_second"]["median"] / e["per_sample"]["problems_per_second"]["median"]
         e["identical_accuracy"] = all(x["batched"]["accuracy"] == x["per_sample"]["accuracy"] for x in ev) and all(
-            w["accuracy"] == ev[0]["batched"]["accuracy"] for w in whole)
+            w["accuracy"] == ev[0]["batched"]["accuracy"] for w in whole
+        )
         res["eval"][stage] = e
     res["eval_batched_vs_per_sample_speedup"] = min(e["speedup"] for e in res["eval"].values())
 
+    tl = [tool_loop_speed(params, n) for _ in R]
+    res["tool_loop"] = {
+        k: stats([x[k] for x in tl])
+        for k in ("loop_tokens_per_second", "plain_tokens_per_second", "loop_sampled_tokens_per_second", "ratio")
+    }
+    res["tool_loop"]["tool_calls"] = tl[0]["tool_calls"]
+    res["tool_loop_vs_plain_generate_ratio"] = res["tool_loop"]["ratio"]["median"]
+
     gr = [grpo_step_stats(params) for _ in R]
-    res["grpo"] = {k: stats([x[k] for x in gr]) for k in ("seconds_per_step", "generation_share",
-                                                          "rollout_tokens_per_second")}
-    res["grpo"]["completions_per_step"] = params.grpo.per_device_train_batch_size * params.grpo.gradient_accumulation_steps
+    res["grpo"] = {
+        k: stats([x[k] for x in gr]) for k in ("seconds_per_step", "generation_share", "rollout_tokens_per_second")
+    }
+    res["grpo"]["completions_per_step"] = (
+        params.grpo.trainer["per_device_train_batch_size"] * params.grpo.trainer["gradient_accumulation_steps"]
+    )
     res["peak_rss_mb_bench_process"] = peak_rss_mb()
     if not a.skip_dvc:
         res.update(dvc_timings(params, a.repeats, a.repro_repeats))
@@ -328,41 +512,76 @@ def main() -> None:
     s, g = res["sft_step_seconds"], res["grpo"]
     mm = lambda x, f="{:.3f}": f"{f.format(x['median'])} ({f.format(x['min'])}–{f.format(x['max'])})"  # noqa: E731
     lines = [
-        "# Benchmarks", "", f"Measured by `make bench` on {res['machine']}. Each figure is the median of "
+        "# Benchmarks",
+        "",
+        f"Measured by `make bench` on {res['machine']}. Each figure is the median of "
         f"{a.repeats} runs (min–max); the full and GRPO-change repros of {res['repro_repeats']} runs, in a "
-        "scratch copy of the repository. Regenerate with `make bench`.", "",
-        "| figure | value | how |", "|---|---|---|",
-        f"| SFT step, ours | {mm(s['ours'])} s | SFTTrainer with params.yaml's config: wall time from one step's end to the next (data loading, collation, logging included), steps 6–{STEPS} |",
-        f"| SFT step, plain PyTorch loop | {mm(s['plain_loop'])} s | forward (HF loss on the same collated labels) / backward / clip / fused AdamW on a second copy of the model, run on the same batch right after each trainer step |",
-        f"| **sft_vs_plain_loop_ratio** | {mm(res['sft_paired_ratios']['ours'], '{:.2f}')} (goal ≤ 1.25) | median over steps of trainer step / paired plain step |",
-        f"| SFT step, TRL defaults | {mm(s['trl_defaults'])} s (plain beside it {mm(s['plain_loop_beside_trl_defaults'])} s) | SFTConfig defaults (bf16 autocast where supported, gradient checkpointing on), same pairing |",
+        "scratch copy of the repository. Regenerate with `make bench`.",
+        "",
+        "| figure | value | how |",
+        "|---|---|---|",
+        f"| SFT step, ours | {mm(s['ours'])} s | "
+        "SFTTrainer with params.yaml's config: wall time from one step's end to the next "
+        f"(data loading, collation, logging included), steps 6–{STEPS} |",
+        f"| SFT step, plain PyTorch loop | {mm(s['plain_loop'])} s | "
+        "forward (HF loss on the same collated labels) / backward / clip / fused AdamW on a second copy of the model, "
+        "run on the same batch right after each trainer step |",
+        f"| **sft_vs_plain_loop_ratio** | {mm(res['sft_paired_ratios']['ours'], '{:.2f}')} (goal ≤ 1.25) | "
+        "median over steps of trainer step / paired plain step |",
+        "| SFT step, TRL defaults | "
+        f"{mm(s['trl_defaults'])} s (plain beside it {mm(s['plain_loop_beside_trl_defaults'])} s) | "
+        "SFTConfig defaults (bf16 autocast where supported, gradient checkpointing on), same pairing |",
         f"| TRL defaults / plain loop | {mm(res['sft_paired_ratios']['trl_defaults'], '{:.2f}')} | |",
     ]
     for stage, e in res["eval"].items():
         lines += [
-            f"| eval {stage}, batched | {mm(e['batched']['problems_per_second'], '{:.1f}')} problems/s | {n} held-out problems, `eval.batch_size` {params.eval.batch_size}, left padding, greedy, ended rows leave the batch; {e['batched']['mean_completion_tokens']:.1f} tokens per completion |",
-            f"| eval {stage}, batched, one `generate` call per batch | {mm(e['batched_one_call_per_batch']['problems_per_second'], '{:.1f}')} problems/s | ablation: every row computed until the batch's longest ends |",
-            f"| eval {stage}, one at a time | {mm(e['per_sample']['problems_per_second'], '{:.1f}')} problems/s | the same {n} problems at batch 1 (HelloAgents' way) |",
+            f"| eval {stage}, batched | {mm(e['batched']['problems_per_second'], '{:.1f}')} problems/s | "
+            f"{n} held-out problems, `eval.batch_size` {params.eval.batch_size}, left padding, greedy, "
+            f"ended rows leave the batch; {e['batched']['mean_completion_tokens']:.1f} tokens per completion |",
+            f"| eval {stage}, batched, one `generate` call per batch | "
+            f"{mm(e['batched_one_call_per_batch']['problems_per_second'], '{:.1f}')} problems/s | "
+            "ablation: every row computed until the batch's longest ends |",
+            f"| eval {stage}, one at a time | {mm(e['per_sample']['problems_per_second'], '{:.1f}')} problems/s | "
+            f"the same {n} problems at batch 1 (HelloAgents' way) |",
             f"| eval {stage} speed-up | {e['speedup']:.1f}× | identical accuracy: {e['identical_accuracy']} |",
         ]
     lines += [
-        f"| **eval_batched_vs_per_sample_speedup** | {res['eval_batched_vs_per_sample_speedup']:.1f}× (goal ≥ 10) | the smaller of the stages' speed-ups |",
-        f"| GRPO optimizer step | {mm(g['seconds_per_step'])} s, {g['completions_per_step']} completions | GRPOTrainer with params.yaml's config, steps 3–12 |",
+        f"| **eval_batched_vs_per_sample_speedup** | {res['eval_batched_vs_per_sample_speedup']:.1f}× (goal ≥ 10) | "
+        "the smaller of the stages' speed-ups |",
+        f"| GRPO optimizer step | {mm(g['seconds_per_step'])} s, {g['completions_per_step']} completions | "
+        "GRPOTrainer with params.yaml's config, steps 3–12 |",
         f"| GRPO share of a step spent generating | {mm(g['generation_share'], '{:.2f}')} | rollout time / step time |",
-        f"| GRPO rollout tokens/s | {mm(g['rollout_tokens_per_second'], '{:.0f}')} | completion tokens generated / rollout time |",
+        f"| GRPO rollout tokens/s | {mm(g['rollout_tokens_per_second'], '{:.0f}')} | "
+        "tokens the policy sampled / rollout time (tool loop) |",
+        "| tool loop, generated tokens/s | "
+        f"{mm(res['tool_loop']['loop_tokens_per_second'], '{:.0f}')} "
+        f"({mm(res['tool_loop']['loop_sampled_tokens_per_second'], '{:.0f}')} sampled) | "
+        f"`agent.generate_with_tools` on the GRPO model, {n} held-out problems, batch {params.eval.batch_size}, "
+        f"greedy, {res['tool_loop']['tool_calls']} tool calls |",
+        f"| plain `generate`, tokens/s | {mm(res['tool_loop']['plain_tokens_per_second'], '{:.0f}')} | "
+        "one `model.generate` call per batch on the same prompts, no tool |",
+        f"| **tool_loop_vs_plain_generate_ratio** | {mm(res['tool_loop']['ratio'], '{:.2f}')} (goal ≥ 0.7) | "
+        "a call appends its result to the KV cache; nothing is re-encoded |",
     ]
     if not a.skip_dvc:
         c = res["grpo_change_repro"]
         lines += [
-            f"| **noop_repro_seconds** | {mm(res['noop_repro_seconds'], '{:.2f}')} s (goal ≤ 5) | `dvc repro` with nothing changed |",
-            f"| GRPO-only change | {mm(c['seconds'], '{:.0f}')} s; re-ran {', '.join(c['stages_rerun'])} | new `grpo.learning_rate`, then `dvc repro` |",
-            f"| **full_repro_seconds** | {mm(res['full_repro_seconds'], '{:.0f}')} s (goal ≤ 900) | `dvc repro --force`: every stage, set-up excluded |",
+            f"| **noop_repro_seconds** | {mm(res['noop_repro_seconds'], '{:.2f}')} s (goal ≤ 5) | "
+            "`dvc repro` with nothing changed |",
+            f"| GRPO-only change | {mm(c['seconds'], '{:.0f}')} s; re-ran {', '.join(c['stages_rerun'])} | "
+            "new `grpo.trainer.learning_rate`, then `dvc repro` |",
+            f"| **full_repro_seconds** | {mm(res['full_repro_seconds'], '{:.0f}')} s (goal ≤ 900) | "
+            "`dvc repro --force`: every stage, set-up excluded |",
             f"| GRPO-only change / full repro | {c['seconds']['median'] / res['full_repro_seconds']['median']:.2f} | |",
-            "", "Peak RSS per stage (MiB, max over the full repros; each stage records its own): "
+            "",
+            "Peak RSS per stage (MiB, max over the full repros; each stage records its own): "
             + ", ".join(f"{k} {v:.0f}" for k, v in res["peak_rss_mb_per_stage"].items()),
-            "", "Accuracies of the full repros (base / SFT / GRPO): "
-            + "; ".join(f"{a['base_accuracy']:.3f} / {a['sft_accuracy']:.3f} / {a['grpo_accuracy']:.3f}"
-                        for a in res["full_repro_accuracies"]),
+            "",
+            "Accuracies of the full repros (base / SFT / GRPO): "
+            + "; ".join(
+                f"{a['base_accuracy']:.3f} / {a['sft_accuracy']:.3f} / {a['grpo_accuracy']:.3f}"
+                for a in res["full_repro_accuracies"]
+            ),
         ]
     Path("BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

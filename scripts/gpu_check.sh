@@ -5,7 +5,7 @@
 #   2. sft (LoRA) + grpo under DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (1 process),
 #      each followed by evaluation of the GRPO adapter and, for ZeRO-3, the merged export.
 # Usage: bash scripts/gpu_check.sh [OUT_DIR]   (needs the pinned requirements and a CUDA GPU)
-#        GPU_CHECK_OVERRIDES='sft.max_steps=5 ...' adds params overrides (key.path=yaml-value).
+#        GPU_CHECK_OVERRIDES='sft.trainer.max_steps=5 ...' adds params overrides (key.path=yaml-value).
 # Writes OUT_DIR/summary.txt (one line per step: rc and seconds) and OUT_DIR/logs.tar.gz.
 set -u
 PY=${PYTHON:-python3}
@@ -49,7 +49,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/log
 "$PY" -c "import torch, transformers, trl, peft, accelerate, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'bf16', torch.cuda.is_bf16_supported()); print('transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__, 'deepspeed', deepspeed.__version__)" >> "$OUT/logs/nvidia-smi.txt" 2>&1
 
 # 1. The default pipeline, fewer GRPO steps; dvclive/wandb are left out (only tensorboard is needed here).
-setp tracking.report_to='[tensorboard]' grpo.max_steps=40 grpo.save_steps=20 ${GPU_CHECK_OVERRIDES:-}
+setp tracking.report_to='[tensorboard]' grpo.trainer.max_steps=40 grpo.trainer.save_steps=20 ${GPU_CHECK_OVERRIDES:-}
 step prepare "$PY" -m agentrl.prepare
 step base "$PY" -m agentrl.base
 step sft_single "${LAUNCH[@]}" configs/accelerate/single.yaml -m agentrl.sft
@@ -62,7 +62,7 @@ step export "$PY" -m agentrl.export
 step eval_int8 "$PY" -m agentrl.export --quantized-eval
 
 # 2. DeepSpeed on CUDA, LoRA for both stages (the hub-model setting).
-setp sft.use_lora=true sft.max_steps=30 sft.save_steps=15 grpo.max_steps=4 grpo.save_steps=2 grpo.logging_steps=1 ${GPU_CHECK_OVERRIDES:-}
+setp sft.use_lora=true sft.trainer.max_steps=30 sft.trainer.save_steps=15 grpo.trainer.max_steps=4 grpo.trainer.save_steps=2 grpo.trainer.logging_steps=1 ${GPU_CHECK_OVERRIDES:-}
 for cfg in zero2 zero3 zero3_offload; do
   rm -rf checkpoints models/sft models/grpo
   step "sft_$cfg" "${LAUNCH[@]}" "configs/accelerate/$cfg.yaml" -m agentrl.sft

@@ -4,6 +4,7 @@ response, print p50/p95 latency and throughput (and write them as JSON with --ou
 
     python scripts/loadtest.py --model models/merged -n 200 -c 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,23 @@ def free_port() -> int:
 def start_server(model: str, port: int, log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "AGENTRL_MODEL_PATH": model}
     log = log_path.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "agentrl.serve:app", "--host", "127.0.0.1", "--port",
-                             str(port), "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "agentrl.serve:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -57,15 +73,22 @@ async def run(base: str, n: int, concurrency: int, max_tokens: int) -> dict:
     errors: list[str] = []
 
     async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+
         async def one(i: int) -> None:
             async with sem:
                 t0 = time.perf_counter()
                 try:
-                    r = await client.post("/generate", json={"text": QUESTIONS[i % len(QUESTIONS)],
-                                                             "max_tokens": max_tokens, "temperature": 0})
+                    r = await client.post(
+                        "/generate",
+                        json={"text": QUESTIONS[i % len(QUESTIONS)], "max_tokens": max_tokens, "temperature": 0},
+                    )
                     body = r.json()
-                    ok = (r.status_code == 200 and isinstance(body.get("text"), str)
-                          and 0 < body.get("confidence", -1) <= 1 and body.get("tokens", 0) >= 1)
+                    ok = (
+                        r.status_code == 200
+                        and isinstance(body.get("text"), str)
+                        and 0 < body.get("confidence", -1) <= 1
+                        and body.get("tokens", 0) >= 1
+                    )
                     if not ok:
                         errors.append(f"request {i}: {r.status_code} {str(body)[:200]}")
                 except httpx.HTTPError as e:
@@ -76,9 +99,17 @@ async def run(base: str, n: int, concurrency: int, max_tokens: int) -> dict:
         await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.perf_counter() - t0
     lat = sorted(latencies)
-    return {"requests": n, "concurrency": concurrency, "errors": len(errors), "error_samples": errors[:5],
-            "p50_ms": round(1000 * statistics.median(lat), 1), "p95_ms": round(1000 * lat[int(0.95 * (len(lat) - 1))], 1),
-            "throughput_rps": round(n / wall, 2), "wall_s": round(wall, 2), "max_tokens": max_tokens}
+    return {
+        "requests": n,
+        "concurrency": concurrency,
+        "errors": len(errors),
+        "error_samples": errors[:5],
+        "p50_ms": round(1000 * statistics.median(lat), 1),
+        "p95_ms": round(1000 * lat[int(0.95 * (len(lat) - 1))], 1),
+        "throughput_rps": round(n / wall, 2),
+        "wall_s": round(wall, 2),
+        "max_tokens": max_tokens,
+    }
 
 
 def main() -> None:
@@ -102,8 +133,10 @@ def main() -> None:
         if proc:
             proc.terminate()
             proc.wait(timeout=30)
-    print(f"{res['requests']} requests at concurrency {res['concurrency']}: {res['errors']} errors; "
-          f"p50 {res['p50_ms']} ms, p95 {res['p95_ms']} ms, {res['throughput_rps']} req/s")
+    print(
+        f"{res['requests']} requests at concurrency {res['concurrency']}: {res['errors']} errors; "
+        f"p50 {res['p50_ms']} ms, p95 {res['p95_ms']} ms, {res['throughput_rps']} req/s"
+    )
     for e in res["error_samples"]:
         print("  ", e)
     if a.out:

@@ -12,6 +12,7 @@ prepare/base/sft results: only grpo and what depends on it re-run. Each search e
 best parameters and accuracy and writing sweeps/<name>/best.json; apply the best with
 `dvc exp apply <experiment>` (printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,14 @@ def experiments(metric_file: str, key: str) -> list[dict]:
                 metric = ((d.get("metrics") or {}).get(metric_file) or {}).get("data", {})
                 params = ((d.get("params") or {}).get("params.yaml") or {}).get("data", {})
                 if key in metric:
-                    rows.append({"name": rev.get("name") or exp.get("name"), "rev": rev.get("rev"),
-                                 "objective": metric[key], "params": params})
+                    rows.append(
+                        {
+                            "name": rev.get("name") or exp.get("name"),
+                            "rev": rev.get("rev"),
+                            "objective": metric[key],
+                            "params": params,
+                        }
+                    )
     return rows
 
 
@@ -90,11 +97,17 @@ def finish(name: str, space: dict, names: list[str], started: float, trials: int
             node = node.get(k, {}) if isinstance(node, dict) else {}
         return node
 
-    out = {"search": name, "best_experiment": best["name"], obj["key"]: best["objective"],
-           "params": {k: pick(best["params"], k) for k in keys}, "trials": trials,
-           "finished_experiments": len(rows), "seconds": round(time.time() - started, 1),
-           "seconds_per_trial": round((time.time() - started) / max(1, trials), 1),
-           "apply": f"dvc exp apply {best['name']}"}
+    out = {
+        "search": name,
+        "best_experiment": best["name"],
+        obj["key"]: best["objective"],
+        "params": {k: pick(best["params"], k) for k in keys},
+        "trials": trials,
+        "finished_experiments": len(rows),
+        "seconds": round(time.time() - started, 1),
+        "seconds_per_trial": round((time.time() - started) / max(1, trials), 1),
+        "apply": f"dvc exp apply {best['name']}",
+    }
     d = Path("sweeps") / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "best.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -128,10 +141,14 @@ def run_optuna(name: str, space: dict, trials: int) -> dict:
     obj = space["objective"]
     d = Path("sweeps") / name
     d.mkdir(parents=True, exist_ok=True)
-    study = optuna.create_study(study_name=name, storage=f"sqlite:///{d / 'study.db'}", load_if_exists=True,
-                                direction=obj.get("direction", "maximize"),
-                                sampler=optuna.samplers.TPESampler(seed=0),
-                                pruner=optuna.pruners.NopPruner())  # a trial reports only its final metric
+    study = optuna.create_study(
+        study_name=name,
+        storage=f"sqlite:///{d / 'study.db'}",
+        load_if_exists=True,
+        direction=obj.get("direction", "maximize"),
+        sampler=optuna.samplers.TPESampler(seed=0),
+        pruner=optuna.pruners.NopPruner(),
+    )  # a trial reports only its final metric
     started = time.time()
     names: list[str] = []
 

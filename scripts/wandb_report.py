@@ -10,6 +10,7 @@ Keys are the ones the stages log: TRL/transformers' WandbCallback prefixes train
 "train/", evaluation runs (job_type "eval") put "eval/<metric>" in their summary and log
 "eval/<stage>/predictions" tables (src/agentrl/tracking.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ TRAINING_PANELS = [  # (title, y keys)
 def build_report(project: str, entity: str, group: str | None = None, title: str | None = None):
     import wandb_workspaces.reports.v2 as wr
 
-    runset = wr.Runset(entity=entity, project=project, name=group or "all runs",
-                       **({"filters": f"Group = '{group}'"} if group else {}))
+    runset = wr.Runset(
+        entity=entity, project=project, name=group or "all runs", **({"filters": f"Group = '{group}'"} if group else {})
+    )
     train_panels = [wr.LinePlot(title=t, x="Step", y=y) for t, y in TRAINING_PANELS]
     eval_panels = [
         wr.BarPlot(title="Held-out accuracy per stage", metrics=["eval/accuracy"], orientation="v"),
@@ -43,7 +45,8 @@ def build_report(project: str, entity: str, group: str | None = None, title: str
     ]
     tables = [wr.WeavePanelSummaryTable(table_name=f"eval/{s}/predictions") for s in STAGES]
     return wr.Report(
-        project=project, entity=entity,
+        project=project,
+        entity=entity,
         title=title or f"Agentic RL pipeline{f' - {group}' if group else ''}",
         description="prepare -> base -> SFT -> GRPO on params.yaml; built by scripts/wandb_report.py",
         blocks=[
@@ -51,8 +54,10 @@ def build_report(project: str, entity: str, group: str | None = None, title: str
             wr.P("SFT loss and learning rate; GRPO reward, KL and completion length per optimizer step."),
             wr.PanelGrid(runsets=[runset], panels=train_panels),
             wr.H1("Accuracy base -> SFT -> GRPO"),
-            wr.P("Held-out accuracy of each stage (greedy unless eval.temperature > 0); confidence intervals "
-                 "and the paired test are in metrics/compare.json and reports/report.html."),
+            wr.P(
+                "Held-out accuracy of each stage (greedy unless eval.temperature > 0); confidence intervals "
+                "and the paired test are in metrics/compare.json and reports/report.html."
+            ),
             wr.PanelGrid(runsets=[runset], panels=eval_panels),
             wr.H1("Example completions"),
             wr.PanelGrid(runsets=[runset], panels=tables),
@@ -70,8 +75,11 @@ def report_json(report) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--project", help="W&B project (default: tracking.wandb_project in params.yaml)")
-    ap.add_argument("--entity", default=os.environ.get("WANDB_ENTITY"),
-                    help="W&B entity (default: $WANDB_ENTITY, else your default entity)")
+    ap.add_argument(
+        "--entity",
+        default=os.environ.get("WANDB_ENTITY"),
+        help="W&B entity (default: $WANDB_ENTITY, else your default entity)",
+    )
     ap.add_argument("--group", help="restrict to one W&B group (a pipeline run / DVC experiment name)")
     ap.add_argument("--title")
     ap.add_argument("--dry-run", action="store_true", help="build offline and print the JSON; save nothing")
@@ -85,11 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report_json(build_report(project, a.entity or "offline", a.group, a.title)), indent=1))
         return 0
     if not os.environ.get("WANDB_API_KEY"):
-        print("wandb_report: WANDB_API_KEY is not set; a W&B Report can only be saved online "
-              "(use --dry-run to build it offline, or `make report` for the offline HTML report)", file=sys.stderr)
+        print(
+            "wandb_report: WANDB_API_KEY is not set; a W&B Report can only be saved online "
+            "(use --dry-run to build it offline, or `make report` for the offline HTML report)",
+            file=sys.stderr,
+        )
         return 2
-    report = build_report(project, a.entity, a.group, a.title) if a.entity else build_report(
-        project, _default_entity(), a.group, a.title)
+    report = (
+        build_report(project, a.entity, a.group, a.title)
+        if a.entity
+        else build_report(project, _default_entity(), a.group, a.title)
+    )
     report.save()
     print(f"wandb_report: saved {report.url}")
     return 0

@@ -1,4 +1,5 @@
 """Shared fixtures: a miniature configuration of the embedded default that trains in seconds."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,9 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 
 def raw_params() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
+    from agentrl.config import load_yaml
+
+    return load_yaml(ROOT / "params.yaml")  # the stages' strict reader (duplicate keys, 1e-6 as a number)
 
 
 def mini_params() -> dict:
@@ -28,13 +31,28 @@ def mini_params() -> dict:
     p = raw_params()
     p["data"]["synthetic"].update(num_train=200, num_test=24)
     p["data"]["eval_max_samples"] = None
-    p["model"]["tiny"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              num_key_value_heads=1, head_dim=16)
+    p["model"]["tiny"].update(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     p["model"]["pretrain"].update(num_arithmetic_facts=200, epochs=1, batch_size=16)
     p["sft"]["use_lora"] = True  # the tests exercise the LoRA path of both stages
-    p["sft"].update(max_steps=6, per_device_train_batch_size=8, save_steps=3, logging_steps=1, learning_rate=5e-3)
-    p["grpo"].update(max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
-                     save_steps=1, logging_steps=1, learning_rate=1e-3)
+    p["sft"]["trainer"].update(
+        max_steps=6, per_device_train_batch_size=8, save_steps=3, logging_steps=1, learning_rate=5e-3
+    )
+    p["grpo"]["trainer"].update(
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        save_steps=1,
+        logging_steps=1,
+        learning_rate=1e-3,
+    )
     # length_penalty makes rewards differ inside a group even when no answer is right yet,
     # so a few GRPO steps have a non-zero advantage to learn from
     p["grpo"]["rewards"] = {"accuracy": 1.0, "format": 0.1, "length_penalty": 1.0}
@@ -61,8 +79,23 @@ def write_params(path: Path, params: dict) -> None:
 def copy_repo(tmp_path):
     """A copy of the repository (code, dvc.yaml, params) as a fresh git repo."""
     dst = tmp_path / "repo"
-    top_level = {".venv", ".git", "data", "models", "checkpoints", "eval", "metrics", "dvclive", "runs", "wandb",
-                 "reports", "sweeps", ".pytest_cache", ".whl", ".gl"}
+    top_level = {
+        ".venv",
+        ".git",
+        "data",
+        "models",
+        "checkpoints",
+        "eval",
+        "metrics",
+        "dvclive",
+        "runs",
+        "wandb",
+        "reports",
+        "sweeps",
+        ".pytest_cache",
+        ".whl",
+        ".gl",
+    }
     anywhere = shutil.ignore_patterns("__pycache__", "*.egg-info")
 
     def ignore(directory, names):
@@ -75,3 +108,30 @@ def copy_repo(tmp_path):
 
     shutil.copytree(ROOT, dst, ignore=ignore)
     return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny saved model + tokenizer the serving tests load (one per test module)."""
+    from agentrl.config import TinyModelParams
+    from agentrl.modeling import build_tiny_model, train_tokenizer
+
+    d = tmp_path_factory.mktemp("served")
+    texts = ["Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?", "3+4=7\n#### 7"] * 50
+    tok = train_tokenizer(texts, 320)
+    model = build_tiny_model(
+        tok,
+        TinyModelParams(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=128,
+        ),
+        seed=0,
+    )
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

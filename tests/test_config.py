@@ -1,29 +1,36 @@
+import re
+
 import pytest
 
 from agentrl.config import ParamsError, load_params, validate_params
-
 from conftest import ROOT, raw_params
 
 
 def test_repository_params_are_valid():
     p = load_params(ROOT / "params.yaml")
     assert p.data.source == "synthetic"
-    assert p.grpo.learning_rate < p.sft.learning_rate
+    assert p.grpo.trainer["learning_rate"] < p.sft.trainer["learning_rate"]
 
 
 @pytest.mark.parametrize(
     "mutate, key, expected",
     [
         (lambda p: p["sft"].update(learnig_rate=1e-4), "sft.learnig_rate", "unknown key"),
+        (lambda p: p["sft"]["trainer"].update(learnig_rate=1e-4), "sft.trainer.learnig_rate", "unknown argument"),
         (lambda p: p.update(sedd=1), "sedd", "unknown key"),
-        (lambda p: p["sft"].update(learning_rate="fast"), "sft.learning_rate", "valid number"),
-        (lambda p: p["sft"].update(learning_rate=0), "sft.learning_rate", "greater than 0"),
-        (lambda p: p["grpo"].update(learning_rate=-1e-5), "grpo.learning_rate", "greater than 0"),
-        (lambda p: p["sft"].update(per_device_train_batch_size=0), "sft.per_device_train_batch_size", "greater than or equal to 1"),
+        (lambda p: p["sft"]["trainer"].update(learning_rate="fast"), "sft.trainer.learning_rate", "expected float"),
+        (lambda p: p["sft"]["trainer"].update(learning_rate=0), "sft.trainer.learning_rate", "must be > 0"),
+        (lambda p: p["grpo"]["trainer"].update(learning_rate=-1e-5), "grpo.trainer.learning_rate", "must be > 0"),
+        (lambda p: p["grpo"].pop("trainer"), "grpo.trainer", "Field required"),
+        (lambda p: p.pop("sft"), "sft", "Field required"),
         (lambda p: p["data"].update(max_samples=0), "data.max_samples", "greater than or equal to 1"),
         (lambda p: p["data"].update(source="hub"), "data.source", "synthetic"),
-        (lambda p: p["grpo"]["lora"].update(r=0), "grpo.lora.r", "greater than or equal to 1"),
-        (lambda p: p["data"]["synthetic"].update(operand_min=30), "data.synthetic", "operand_min"),
+        (lambda p: p["grpo"]["lora"].update(r=0), "grpo.lora.r", "must be > 0"),
+        (
+            lambda p: p["data"]["synthetic"].update(operand_min=p["data"]["synthetic"]["operand_max"] + 1),
+            "data.synthetic",
+            "operand_min",
+        ),
         (lambda p: p["tracking"].update(report_to=["mlflow"]), "tracking.report_to.0", "tensorboard"),
         (lambda p: p["data"].update(source="jsonl"), "data", "train_file"),
     ],
@@ -57,3 +64,92 @@ def test_stage_exits_before_touching_data(tmp_path, monkeypatch):
 def test_missing_params_file(tmp_path):
     with pytest.raises(ParamsError, match="file not found"):
         load_params(tmp_path / "nope.yaml")
+
+
+# ------------------------------------------------------------------------------------ strict YAML and types
+def test_duplicate_yaml_key_is_an_error_naming_key_and_line(tmp_path):
+    text = (ROOT / "params.yaml").read_text()
+    grpo_steps = re.search(r"^grpo:\n(?:.*\n)*?(    max_steps: \d+\n)", text, re.M).group(1)
+    assert text.count(grpo_steps) == 1
+    text = text.replace(grpo_steps, grpo_steps + "    max_steps: 7\n", 1)
+    (tmp_path / "params.yaml").write_text(text)
+    line = text.splitlines().index("    max_steps: 7") + 1
+    with pytest.raises(
+        ParamsError,
+        match=rf"params.yaml:{line}: duplicate key 'grpo.trainer.max_steps' "
+        rf"\(first on line {line - 1}\)",
+    ):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_yaml_exponent_floats_are_numbers(tmp_path):
+    """`1e-6` (no dot; how DVC's -S writes floats) is a number, not the string YAML 1.1 makes of it."""
+    text = (ROOT / "params.yaml").read_text().replace("    learning_rate: 2.0e-4", "    learning_rate: 1e-6", 1)
+    (tmp_path / "params.yaml").write_text(text)
+    assert load_params(tmp_path / "params.yaml").grpo.trainer["learning_rate"] == 1e-6
+
+
+@pytest.mark.parametrize(
+    "mutate, key, expected",
+    [
+        (lambda p: p["eval"].update(temperature=float("inf")), "eval.temperature", "finite number"),
+        (lambda p: p["grpo"]["trainer"].update(beta=float("inf")), "grpo.trainer.beta", "finite number"),
+        (lambda p: p["grpo"]["trainer"].update(temperature=float("nan")), "grpo.trainer.temperature", "finite number"),
+        (lambda p: p["grpo"]["rewards"].update(accuracy=float("inf")), "grpo.rewards.accuracy", "finite number"),
+        (lambda p: p.update(seed=2**32), "seed", "less than or equal to 4294967295"),
+        (lambda p: p.update(seed=-1), "seed", "greater than or equal to 0"),
+        (lambda p: p["eval"].update(batch_size="150"), "eval.batch_size", "valid integer"),
+        (lambda p: p["eval"].update(batch_size=True), "eval.batch_size", "valid integer"),
+        (lambda p: p["eval"].update(max_new_tokens=96.0), "eval.max_new_tokens", "valid integer"),
+        (lambda p: p["sft"].update(use_lora=1), "sft.use_lora", "valid boolean"),
+        (lambda p: p["distributed"].update(num_processes="2"), "distributed.num_processes", "valid integer"),
+        (lambda p: p["sft"]["trainer"].update(max_steps="150"), "sft.trainer.max_steps", "expected int"),
+        (lambda p: p["sft"]["trainer"].update(max_steps=True), "sft.trainer.max_steps", "expected int"),
+    ],
+)
+def test_strict_types_and_finite_numbers(mutate, key, expected):
+    p = raw_params()
+    mutate(p)
+    with pytest.raises(ParamsError) as e:
+        validate_params(p)
+    assert f"{key}: " in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def test_largest_seed_is_valid():
+    p = raw_params()
+    p["seed"] = 2**32 - 1
+    assert validate_params(p).seed == 2**32 - 1
+
+
+PENDING_SECTIONS: set[str] = set()  # sections whose schema defaults may (temporarily) disagree with params.yaml
+
+
+def _schema_defaults(model, raw, path=""):
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    for name, field in model.model_fields.items():
+        where = f"{path}.{name}" if path else name
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _schema_defaults(ann, (raw or {}).get(name), where)
+            continue
+        if field.default is PydanticUndefined and field.default_factory is None:
+            continue  # required: params.yaml is the only source
+        default = field.default_factory() if field.default is PydanticUndefined else field.default
+        yield where, default, (raw or {}).get(name, "<missing in params.yaml>")
+
+
+def test_one_source_of_defaults():
+    """Every schema default equals params.yaml's value (sft/grpo have none: pass-through sections and their
+    project keys are required, TRL/PEFT defaults apply to what params.yaml leaves out)."""
+    from agentrl.config import GRPOParams, Params, SFTParams
+
+    disagree = {
+        where
+        for where, default, value in _schema_defaults(Params, raw_params())
+        if default != value and where.split(".")[0] not in PENDING_SECTIONS
+    }
+    assert disagree == set()
+    for model in (SFTParams, GRPOParams):
+        assert all(f.is_required() for name, f in model.model_fields.items() if name != "reward_kwargs")

@@ -3,9 +3,8 @@ import re
 
 import pytest
 
-from agentrl.data import check_rows, generate_synthetic, read_jsonl, RawRow
-from agentrl.rewards import normalize_number
-
+from agentrl.answers import normalize_number
+from agentrl.data import RawRow, check_rows, generate_synthetic, read_jsonl
 from conftest import GSM8K_TRAIN, mini_params, write_params
 
 
@@ -13,15 +12,16 @@ def _recompute(answer: str) -> int:
     """Independent check: replay the solution's calculator annotations and compare to '#### N'."""
     value = None
     for expr, result in re.findall(r"<<([^=]+)=(-?\d+)>>", answer):
-        computed = eval(expr, {"__builtins__": {}})  # noqa: S307 - digits and + - * only
+        computed = eval(expr, {"__builtins__": {}})  # digits and + - * only
         assert computed == int(result), (expr, result)
         value = computed
     return value
 
 
 def test_generator_deterministic_and_correct():
-    kw = dict(num_train=300, num_test=50, operand_min=1, operand_max=19, operations=["+", "-", "*"],
-              steps={1: 1, 2: 1, 3: 1})
+    kw = dict(
+        num_train=300, num_test=50, operand_min=1, operand_max=19, operations=["+", "-", "*"], steps={1: 1, 2: 1, 3: 1}
+    )
     a = generate_synthetic(7, **kw)
     b = generate_synthetic(7, **kw)
     c = generate_synthetic(8, **kw)
@@ -34,9 +34,13 @@ def test_generator_deterministic_and_correct():
         final = int(row["answer"].rsplit("####", 1)[1])
         assert _recompute(row["answer"]) == final
         assert final >= 0
-        # the question states the numbers the solution uses
-        nums = re.findall(r"\d+", row["question"])
-        assert nums, row
+        # the question states the numbers the solution uses: the first step's operands and each later step's
+        # second operand (its first is the previous result), no more and no fewer
+        steps = re.findall(r"<<(\d+)[+\-*](\d+)=(-?\d+)>>", row["answer"])
+        assert len(steps) == row["answer"].count("<<") == row["steps"], row
+        assert all(nxt[0] == prev[2] for prev, nxt in zip(steps, steps[1:])), row
+        given = [steps[0][0]] + [s[1] for s in steps]
+        assert sorted(given) == sorted(re.findall(r"\d+", row["question"])), row
 
 
 def test_generator_difficulty_mix_respected():
@@ -73,8 +77,11 @@ def test_each_defect_caught(row, reason):
 
 
 def test_duplicates_and_leakage_caught():
-    rows = _rows({"question": "How many?", "answer": "#### 1"}, {"question": "how  many?", "answer": "#### 1"},
-                 {"question": "In test too", "answer": "#### 2"})
+    rows = _rows(
+        {"question": "How many?", "answer": "#### 1"},
+        {"question": "how  many?", "answer": "#### 1"},
+        {"question": "In test too", "answer": "#### 2"},
+    )
     res = check_rows(rows, "train", True, exclude_questions={"in test too"})
     assert [b.reason for b in res.bad] == ["duplicate_question", "train_test_overlap"]
     assert len(res.examples) == 1
@@ -88,8 +95,10 @@ def test_invalid_json_line_is_reported(tmp_path):
 
 
 def test_gsm8k_answer_parsing():
-    row = {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
-           "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 1,072"}
+    row = {
+        "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+        "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 1,072",
+    }
     ex = check_rows(_rows(row), "train", True).examples[0]
     assert ex.final == "1072"
     assert "<<" not in ex.reasoning and "24 clips" in ex.reasoning
@@ -147,8 +156,13 @@ def _write_gsm8k(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-GOOD = [{"question": f"Sam has {i} pens and buys {i + 1} more. How many pens?",
-         "answer": f"Sam has {i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1} pens.\n#### {2 * i + 1}"} for i in range(30)]
+GOOD = [
+    {
+        "question": f"Sam has {i} pens and buys {i + 1} more. How many pens?",
+        "answer": f"Sam has {i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1} pens.\n#### {2 * i + 1}",
+    }
+    for i in range(30)
+]
 
 
 def test_jsonl_source_keeps_every_valid_row(workdir):
@@ -173,8 +187,14 @@ def test_bad_rows_error_lists_file_line_reason(workdir):
 def test_bad_rows_drop_counts_them(workdir):
     _write_gsm8k(workdir / "train.jsonl", GOOD[:5] + [{"question": "x", "answer": "#### n/a"}, GOOD[20]])
     _write_gsm8k(workdir / "test.jsonl", GOOD[20:22])
-    m = _prepare(workdir, source="jsonl", train_file="train.jsonl", test_file="test.jsonl", on_bad_rows="drop",
-                 eval_max_samples=None)
+    m = _prepare(
+        workdir,
+        source="jsonl",
+        train_file="train.jsonl",
+        test_file="test.jsonl",
+        on_bad_rows="drop",
+        eval_max_samples=None,
+    )
     assert m["dropped"]["train"] == {"non_numeric_answer": 1, "train_test_overlap": 1}
     assert m["written"]["sft_train"] == 5
 
@@ -201,8 +221,15 @@ def test_gsm8k_and_jsonl_sources_identical(workdir, monkeypatch):
 
 
 def test_direct_answer_rate_only_affects_training_solutions():
-    kw = dict(num_train=400, num_test=100, operand_min=1, operand_max=19, operations=["+", "-", "*"],
-              steps={1: 1, 2: 1, 3: 1}, max_value=99)
+    kw = dict(
+        num_train=400,
+        num_test=100,
+        operand_min=1,
+        operand_max=19,
+        operations=["+", "-", "*"],
+        steps={1: 1, 2: 1, 3: 1},
+        max_value=99,
+    )
     train, test = generate_synthetic(3, direct_answer_rate=0.5, **kw)
     direct = [r for r in train if "<<" not in r["answer"]]
     assert 150 < len(direct) < 250
@@ -221,8 +248,20 @@ def test_max_value_bounds_every_intermediate_value():
         assert all(int(v) <= 60 for v in re.findall(r">>(\d+)", r["answer"]))
 
 
-@pytest.mark.parametrize("x,op,b", [(19, "+", 7), (43, "-", 17), (18, "*", 4), (7, "*", 3), (5, "+", 3), (40, "-", 40),
-                                    (99, "-", 9), (45, "+", 54), (9, "*", 5)])
+@pytest.mark.parametrize(
+    "x,op,b",
+    [
+        (19, "+", 7),
+        (43, "-", 17),
+        (18, "*", 4),
+        (7, "*", 3),
+        (5, "+", 3),
+        (40, "-", 40),
+        (99, "-", 9),
+        (45, "+", 54),
+        (9, "*", 5),
+    ],
+)
 def test_digit_line_is_correct_column_arithmetic(x, op, b):
     from agentrl.data import digit_line
 
@@ -232,14 +271,21 @@ def test_digit_line_is_correct_column_arithmetic(x, op, b):
     *columns, total = body.split(", ")
     for eq in columns + [total]:  # every written equation is true ('13-7=6', '1*4+3=7', ...)
         lhs, rhs = eq.split("=")
-        assert eval(lhs) == int(rhs), line  # noqa: S307 - digits and + - * only
+        assert eval(lhs) == int(rhs), line  # digits and + - * only
     assert total == f"{x}{op}{b}={eval(f'{x}{op}{b}')}"
-    assert len(columns) == (1 if max(x, b, eval(f'{x}{op}{b}')) < 10 else 2)
+    assert len(columns) == (1 if max(x, b, eval(f"{x}{op}{b}")) < 10 else 2)
 
 
 def test_digit_steps_rate_rewrites_only_training_solutions():
-    kw = dict(num_train=300, num_test=50, operand_min=1, operand_max=19, operations=["+", "-", "*"],
-              steps={1: 1, 2: 1, 3: 1}, max_value=99)
+    kw = dict(
+        num_train=300,
+        num_test=50,
+        operand_min=1,
+        operand_max=19,
+        operations=["+", "-", "*"],
+        steps={1: 1, 2: 1, 3: 1},
+        max_value=99,
+    )
     plain_train, plain_test = generate_synthetic(4, **kw)
     train, test = generate_synthetic(4, digit_steps_rate=0.5, **kw)
     digits = [r for r in train if r.get("style") == "digits"]

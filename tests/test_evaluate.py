@@ -13,10 +13,10 @@ ROWS = [
 
 def test_score_greedy_metrics_hand_computed():
     samples = [
-        [("3+4=7\n#### 7", 6)],          # correct
+        [("3+4=7\n#### 7", 6)],  # correct
         [("The answer is $1,000.", 8)],  # correct, other answer style
-        [("#### 4", 2)],                 # wrong but formatted
-        [("no idea", 4)],                # unparseable
+        [("#### 4", 2)],  # wrong but formatted
+        [("no idea", 4)],  # unparseable
     ]
     m, preds = score(ROWS, samples, {"accuracy": 1.0, "format": 0.5}, {})
     assert m["accuracy"] == pytest.approx(0.5)
@@ -35,10 +35,10 @@ def test_score_greedy_metrics_hand_computed():
 
 def test_score_pass_at_k_and_majority():
     samples = [
-        [("#### 1", 1), ("#### 7", 1), ("#### 7", 1)],      # first wrong, any right, majority right
-        [("#### 5", 1), ("#### 5", 1), ("#### 1000", 1)],   # majority wrong, pass right
-        [("#### 3", 1), ("x", 1), ("y", 1)],                # first right
-        [("#### 2", 1), ("#### 2", 1), ("#### 2", 1)],      # all wrong
+        [("#### 1", 1), ("#### 7", 1), ("#### 7", 1)],  # first wrong, any right, majority right
+        [("#### 5", 1), ("#### 5", 1), ("#### 1000", 1)],  # majority wrong, pass right
+        [("#### 3", 1), ("x", 1), ("y", 1)],  # first right
+        [("#### 2", 1), ("#### 2", 1), ("#### 2", 1)],  # all wrong
     ]
     m, _ = score(ROWS, samples, {"accuracy": 1.0}, {})
     assert m["accuracy"] == pytest.approx(0.25)
@@ -85,8 +85,18 @@ def test_generate_drops_ended_rows_and_matches_one_generate_call():
 
     train, test = generate_synthetic(1, 300, 40, 1, 19, ["+", "*"], {1: 0.5, 2: 0.5})
     tok = train_tokenizer([r["question"] + r["answer"] for r in train], 300)
-    model = build_tiny_model(tok, TinyModelParams(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16), 0)
+    model = build_tiny_model(
+        tok,
+        TinyModelParams(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        ),
+        0,
+    )
     torch.manual_seed(0)
     for p in model.parameters():  # large random weights: completions that differ from prompt to prompt
         p.data.normal_(0, 1.0)
@@ -99,9 +109,10 @@ def test_generate_drops_ended_rows_and_matches_one_generate_call():
         texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            seqs = model.generate(**enc, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
-                                  pad_token_id=tok.pad_token_id)
-        return seqs[:, enc["input_ids"].shape[1]:].tolist()
+            seqs = model.generate(
+                **enc, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id
+            )
+        return seqs[:, enc["input_ids"].shape[1] :].tolist()
 
     # make "eos" the token whose first appearance varies most across prompts, so rows end at different steps
     first = collections.defaultdict(set)
@@ -126,9 +137,11 @@ def test_generate_drops_ended_rows_and_matches_one_generate_call():
     assert generate(model, tok, prompts, batch_size=7, max_new_tokens=max_new) == expected
     assert generate(model, tok, prompts[:5], batch_size=1, max_new_tokens=max_new) == expected[:5]
     # sampling with several samples per prompt: the right number, each no longer than the budget
-    sampled = generate(model, tok, prompts, batch_size=16, max_new_tokens=max_new, temperature=1.0,
-                       num_samples=3, seed=1)
+    sampled = generate(
+        model, tok, prompts, batch_size=16, max_new_tokens=max_new, temperature=1.0, num_samples=3, seed=1
+    )
     assert [len(s) for s in sampled] == [3] * len(prompts)
     assert all(0 < n <= max_new for s in sampled for _, n in s)
-    assert sampled == generate(model, tok, prompts, batch_size=16, max_new_tokens=max_new, temperature=1.0,
-                               num_samples=3, seed=1)  # seeded
+    assert sampled == generate(
+        model, tok, prompts, batch_size=16, max_new_tokens=max_new, temperature=1.0, num_samples=3, seed=1
+    )  # seeded

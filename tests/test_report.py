@@ -1,4 +1,5 @@
 """make report builds valid HTML with existing images from a small metrics fixture."""
+
 import json
 from html.parser import HTMLParser
 
@@ -8,20 +9,46 @@ from agentrl.report import build
 def _fixture(root):
     for stage, acc in (("base", 0.0), ("sft", 0.3), ("grpo", 0.4)):
         (root / "metrics").mkdir(exist_ok=True)
-        (root / f"metrics/eval_{stage}.json").write_text(json.dumps(
-            {"accuracy": acc, "accuracy_ci95": [max(0, acc - 0.04), acc + 0.04],
-             "accuracy_by_steps": {"1": acc + 0.1, "2": acc, "3": max(0, acc - 0.1)}}))
+        (root / f"metrics/eval_{stage}.json").write_text(
+            json.dumps(
+                {
+                    "accuracy": acc,
+                    "accuracy_ci95": [max(0, acc - 0.04), acc + 0.04],
+                    "accuracy_by_steps": {"1": acc + 0.1, "2": acc, "3": max(0, acc - 0.1)},
+                }
+            )
+        )
         (root / f"eval/{stage}").mkdir(parents=True)
-        rows = [{"id": f"t{i}", "question": f"q{i}", "completion": f"{stage} says {i}\n#### {i}",
-                 "ground_truth": "1", "correct": (stage == "grpo" and i < 3) or (stage == "sft" and i == 4)}
-                for i in range(6)]
+        rows = [
+            {
+                "id": f"t{i}",
+                "question": f"q{i}",
+                "completion": f"{stage} says {i}\n#### {i}",
+                "ground_truth": "1",
+                "correct": (stage == "grpo" and i < 3) or (stage == "sft" and i == 4),
+            }
+            for i in range(6)
+        ]
         (root / f"eval/{stage}/predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "metrics/compare.json").write_text(json.dumps(
-        {"base_accuracy": 0.0, "sft_accuracy": 0.3, "grpo_accuracy": 0.4, "grpo_minus_sft": 0.1,
-         "ci95": [0.05, 0.15], "p_value": 0.001}))
-    for stage, name, col, values in (("sft", "loss", "loss", [3, 2, 1]), ("grpo", "reward", "reward", [0.1, 0.3, 0.5]),
-                                     ("grpo", "reward_std", "reward_std", [0.2, 0.2, 0.1]), ("grpo", "kl", "kl", [0, 0.01, 0.02]),
-                                     ("grpo", "completions/mean_length", "mean_length", [20, 18, 17])):
+    (root / "metrics/compare.json").write_text(
+        json.dumps(
+            {
+                "base_accuracy": 0.0,
+                "sft_accuracy": 0.3,
+                "grpo_accuracy": 0.4,
+                "grpo_minus_sft": 0.1,
+                "ci95": [0.05, 0.15],
+                "p_value": 0.001,
+            }
+        )
+    )
+    for stage, name, col, values in (
+        ("sft", "loss", "loss", [3, 2, 1]),
+        ("grpo", "reward", "reward", [0.1, 0.3, 0.5]),
+        ("grpo", "reward_std", "reward_std", [0.2, 0.2, 0.1]),
+        ("grpo", "kl", "kl", [0, 0.01, 0.02]),
+        ("grpo", "completions/mean_length", "mean_length", [20, 18, 17]),
+    ):
         f = root / f"dvclive/{stage}/plots/metrics/{name}.tsv"
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text("step\t" + col + "\n" + "".join(f"{i}\t{v}\n" for i, v in enumerate(values)))

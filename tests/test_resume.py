@@ -1,4 +1,5 @@
 """A training stage killed midway resumes from its last checkpoint when re-run."""
+
 import json
 import os
 import signal
@@ -14,15 +15,20 @@ def test_sft_killed_midway_resumes(workdir):
     from agentrl.config import load_params
 
     p = mini_params()
-    p["sft"].update(max_steps=400, save_steps=20, logging_steps=20, per_device_train_batch_size=4)
+    p["sft"]["trainer"].update(max_steps=400, save_steps=20, logging_steps=20, per_device_train_batch_size=4)
     p["tracking"]["report_to"] = []
     write_params(workdir / "params.yaml", p)
     params = load_params()
     prepare.prepare(params)
     base.build_tiny(params)
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.sft"],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     ckpt = workdir / "checkpoints/sft"
     while time.time() < deadline and proc.poll() is None:
@@ -46,8 +52,8 @@ def test_sft_killed_midway_resumes(workdir):
     assert "resuming from" in r.stderr
 
     # a changed config does not resume the stale run
-    p["sft"]["learning_rate"] = 1e-3
-    p["sft"]["max_steps"] = 30
+    p["sft"]["trainer"]["learning_rate"] = 1e-3
+    p["sft"]["trainer"]["max_steps"] = 30
     write_params(workdir / "params.yaml", p)
     r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,7 +1,8 @@
 import pytest
 
 from agentrl import rewards
-from agentrl.rewards import answers_match, build_rewards, extract_answer, get_reward, normalize_number
+from agentrl.answers import answers_match, extract_answer, normalize_number
+from agentrl.rewards import build_rewards, get_reward
 
 
 @pytest.mark.parametrize(
@@ -24,8 +25,10 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize("raw, norm", [("1,000", "1000"), ("$5", "5"), ("2.50", "2.5"), ("007", "7"), ("-0", "0"),
-                                       ("abc", None), ("0.5", "0.5")])
+@pytest.mark.parametrize(
+    "raw, norm",
+    [("1,000", "1000"), ("$5", "5"), ("2.50", "2.5"), ("007", "7"), ("-0", "0"), ("abc", None), ("0.5", "0.5")],
+)
 def test_normalize_number(raw, norm):
     assert normalize_number(raw) == norm
 
@@ -65,9 +68,9 @@ def test_length_penalty():
 
 def test_step_reward_only_for_correct_and_capped():
     out = rewards.step([RIGHT, WRONG, MULTI], ground_truth=["7", "7", "11"], step_bonus=0.1, step_cap=0.3)
-    assert out[0] == pytest.approx(0.1)   # one step, correct
-    assert out[1] == 0.0                  # wrong answer gets no step bonus
-    assert out[2] == pytest.approx(0.3)   # four steps, capped at 0.3
+    assert out[0] == pytest.approx(0.1)  # one step, correct
+    assert out[1] == 0.0  # wrong answer gets no step bonus
+    assert out[2] == pytest.approx(0.3)  # four steps, capped at 0.3
 
 
 def test_registry_unknown_name_lists_known():

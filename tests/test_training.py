@@ -1,4 +1,5 @@
 """Short real runs of the stages on a miniature configuration (tiny model, a few steps)."""
+
 import json
 import math
 import sys
@@ -27,6 +28,9 @@ def trained(tmp_path_factory):
     try:
         p = mini_params()
         p["tracking"]["report_to"] = ["tensorboard", "dvclive", "wandb"]
+        # a secret in the params themselves (TRL's hub_token; push_to_hub is off, so it is never used): the W&B
+        # config holds the whole validated params, so only tracking.redact keeps it out of the run
+        p["sft"]["trainer"]["hub_token"] = "sk-test-secret-key"
         write_params(wd / "params.yaml", p)
         params = load_params()
         prepare.prepare(params)
@@ -53,10 +57,14 @@ def test_sft_lowers_loss_and_writes_loadable_adapter(trained, monkeypatch):
     assert m["final_loss"] < m["first_loss"]
     assert (trained["dir"] / "models/sft/adapter_config.json").exists()
     cfg = json.loads((trained["dir"] / "models/sft/adapter_config.json").read_text())
-    assert cfg["r"] == trained["params"].sft.lora.r
+    assert cfg["r"] == trained["params"].sft.lora["r"]
     model, tok = load_policy("sft")
-    out = model.generate(**tok(["hi"], return_tensors="pt"), max_new_tokens=2)
-    assert out.shape[1] >= 1
+    enc = tok(["hi"], return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=2)
+    assert out.shape[1] > enc["input_ids"].shape[1]  # generate returns the prompt: at least one token more
+    base_model, _ = load_policy("base")
+    with torch.no_grad():  # the loaded adapter is applied: the SFT policy is not the base model
+        assert not torch.allclose(model(**enc).logits, base_model(**enc).logits)
     saved = json.loads((trained["dir"] / "metrics/sft_train.json").read_text())
     assert saved["steps"] == 6 and saved["runtime_s"] > 0
     # DVCLive's x axis is the optimizer step (logging_steps 1 here: steps 1..6, not log indices 0..5)
@@ -83,6 +91,7 @@ def test_grpo_changes_adapter_and_logs_rewards(trained, monkeypatch):
 
 def test_evaluation_and_export_on_trained_model(trained, monkeypatch):
     from agentrl import export
+    from agentrl.answers import answers_match, extract_answer
     from agentrl.evaluate import evaluate
 
     monkeypatch.chdir(trained["dir"])
@@ -90,22 +99,92 @@ def test_evaluation_and_export_on_trained_model(trained, monkeypatch):
     for stage in ("base", "sft", "grpo"):
         m = evaluate(params, stage)
         assert m["num_samples"] == 24
-        assert 0.0 <= m["accuracy"] <= 1.0
         rows = [json.loads(line) for line in open(f"eval/{stage}/predictions.jsonl")]
-        assert len(rows) == 24 and {"id", "question", "completion", "extracted", "ground_truth", "correct",
-                                    "reward"} <= set(rows[0])
+        # the accuracy is the share of predictions whose extracted answer matches the ground truth
+        assert all(r["extracted"] == extract_answer(r["completion"]) for r in rows)
+        assert all(r["correct"] == answers_match(r["extracted"], r["ground_truth"]) for r in rows)
+        assert m["accuracy"] == sum(r["correct"] for r in rows) / len(rows)
+        assert len(rows) == 24 and {
+            "id",
+            "question",
+            "completion",
+            "extracted",
+            "ground_truth",
+            "correct",
+            "reward",
+        } <= set(rows[0])
     em = export.export(params)
     assert em["passed"] and em["max_abs_logit_diff"] <= 1e-4 and em["greedy_identical"]
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained("models/merged")
     assert not hasattr(plain, "peft_config") or not plain.peft_config
+    loaded = []
+    real_load_quantized = export.load_quantized
+    monkeypatch.setattr(export, "load_quantized", lambda path: loaded.append(real_load_quantized(path)) or loaded[-1])
     q = export.quantized_eval(params)
-    assert "int8_accuracy" in q and q["int8_speed_ratio"] > 0
+    assert q["int8_backend"] == ("bitsandbytes" if torch.cuda.is_available() else "torch_dynamic")
+    if not torch.cuda.is_available():  # the int8 evaluation ran on dynamically quantized Linear layers
+        assert any(isinstance(mod, torch.ao.nn.quantized.dynamic.Linear) for mod in loaded[0].modules())
+    int8 = json.loads(Path("metrics/eval_merged_int8.json").read_text())
+    full = json.loads(Path("metrics/eval_merged.json").read_text())
+    assert int8["quantize"] == "int8" and full["quantize"] == "none"
+    assert q["int8_accuracy"] == int8["accuracy"] and q["merged_accuracy"] == full["accuracy"]
+    assert q["accuracy_delta"] == pytest.approx(int8["accuracy"] - full["accuracy"])
+    assert q["int8_speed_ratio"] == pytest.approx(int8["samples_per_second"] / full["samples_per_second"])
+
+
+def test_evaluate_cli_quantize_int8_evaluates_the_quantized_policy(trained, monkeypatch):
+    """`python -m agentrl.evaluate --stage grpo --name grpo_int8 --quantize int8`: the policy goes through
+    quantize.quantize_int8 before it generates, and the metrics say so."""
+    from agentrl import evaluate, quantize
+
+    monkeypatch.chdir(trained["dir"])
+    quantized = []
+    real = quantize.quantize_int8
+    monkeypatch.setattr(quantize, "quantize_int8", lambda model: quantized.append(real(model)) or quantized[-1])
+    monkeypatch.setattr(sys, "argv", ["evaluate", "--stage", "grpo", "--name", "grpo_int8", "--quantize", "int8"])
+    evaluate.main()
+    assert len(quantized) == 1
+    if not torch.cuda.is_available():
+        assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in quantized[0].modules())
+    m = json.loads((trained["dir"] / "metrics/eval_grpo_int8.json").read_text())
+    assert m["quantize"] == "int8" and m["stage"] == "grpo" and m["num_samples"] == 24
+    rows = (trained["dir"] / "eval/grpo_int8/predictions.jsonl").read_text().splitlines()
+    assert len(rows) == 24
+
+
+def test_export_fails_when_the_merged_model_differs(trained, tmp_path, monkeypatch):
+    """The export failure path: a merged model whose logits differ from the adapter model's fails the stage
+    (exit status 1) and metrics/export.json records why."""
+    import shutil
+
+    from agentrl import export
+
+    work = tmp_path / "w"
+    shutil.copytree(trained["dir"], work, ignore=shutil.ignore_patterns("wandb", "runs", "checkpoints"))
+    monkeypatch.chdir(work)
+    real_load_model = export.load_model
+
+    def damaged(path, *a, **kw):  # what a broken merge would save: the weights are off
+        model = real_load_model(path, *a, **kw)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        return model
+
+    monkeypatch.setattr(export, "load_model", damaged)
+    monkeypatch.setattr(sys, "argv", ["export"])
+    with pytest.raises(SystemExit) as exit_info:
+        export.main()
+    assert exit_info.value.code == 1
+    m = json.loads((work / "metrics/export.json").read_text())
+    assert m["passed"] is False and m["max_abs_logit_diff"] > m["tolerance"], m
 
 
 def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
-    """The offline W&B run of the SFT stage has the validated params in its config, and no API key."""
+    """The offline W&B run of the SFT stage has the validated params in its config, and no secret: neither the
+    API keys in the environment nor the hub_token in the params (redacted)."""
     runs = sorted((trained["dir"] / "wandb").glob("offline-run-*"))
     assert runs, "no offline W&B run written"
     text = "".join(p.read_text(errors="ignore") for r in runs for p in r.rglob("*.yaml"))
@@ -113,12 +192,17 @@ def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
     assert "learning_rate" in text or b"learning_rate" in blob
     assert b"git_commit" in blob or "git_commit" in text
     assert b"sk-test-secret-key" not in blob and "sk-test-secret-key" not in text
+    assert b"<redacted>" in blob or "<redacted>" in text  # the params' hub_token reached W&B only redacted
     # the W&B Report (scripts/wandb_report.py) plots keys the stages really log
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import wandb_report
 
-    logged = [k for _, keys in wandb_report.TRAINING_PANELS for k in keys
-              if k != "train/kl" or trained["params"].grpo.kl_coef > 0]  # TRL logs kl only when beta > 0
+    logged = [
+        k
+        for _, keys in wandb_report.TRAINING_PANELS
+        for k in keys
+        if k != "train/kl" or trained["params"].grpo.trainer["beta"] > 0
+    ]  # TRL logs kl only when beta > 0
     assert logged and all(k.encode() in blob for k in logged), [k for k in logged if k.encode() not in blob]
     # evaluation logged its per-sample predictions as a wandb.Table
     assert [t for r in runs for t in r.rglob("*.table.json")], "no predictions table in the offline runs"
@@ -132,8 +216,18 @@ def test_hub_base_model_path_records_resolved_commit(workdir, monkeypatch):
     from agentrl.modeling import build_tiny_model, train_tokenizer
 
     tok = train_tokenizer(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
-    model = build_tiny_model(tok, TinyModelParams(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16), 0)
+    model = build_tiny_model(
+        tok,
+        TinyModelParams(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        ),
+        0,
+    )
     model.config._commit_hash = "0123456789abcdef0123456789abcdef01234567"
     calls = []
 
@@ -153,3 +247,109 @@ def test_hub_base_model_path_records_resolved_commit(workdir, monkeypatch):
     assert ("model", "Qwen/Qwen3-0.6B", "v1.0") in calls and ("tokenizer", "Qwen/Qwen3-0.6B", "v1.0") in calls
     assert info["resolved_commit"] == "0123456789abcdef0123456789abcdef01234567"
     assert (workdir / "models/base/config.json").exists()
+
+
+SEEN_TOOL_KWARGS: list[dict] = []
+
+
+def record_tool_use(completions, tool_calls, tool_errors, **kwargs):
+    """A custom reward (grpo.rewards 'test_training:record_tool_use'): the rollout's tool counts reach it."""
+    SEEN_TOOL_KWARGS.append(
+        {"completions": list(completions), "tool_calls": list(tool_calls), "tool_errors": list(tool_errors)}
+    )
+    return [0.1 * c for c in tool_calls]
+
+
+def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, monkeypatch):
+    """GRPO through the tool loop: rollouts that call the calculator (forced here: a 6-step SFT model does
+    not call yet) reach the trainer with env_mask 0 on the tool's tokens, the reward functions receive the
+    tool counts, tool use is logged, and the adapter changes."""
+    from transformers import LogitsProcessorList
+
+    from agentrl import agent, grpo
+    from agentrl.config import validate_params
+    from agentrl.modeling import load_policy, load_tokenizer
+    from test_agent import ForceCalls
+
+    monkeypatch.chdir(trained["dir"])
+    p = mini_params()
+    p["grpo"]["trainer"].update(max_steps=2, max_completion_length=24)
+    p["grpo"]["rewards"] = {"accuracy": 1.0, "length_penalty": 1.0, "test_training:record_tool_use": 1.0}
+    params = validate_params(p)
+    tok = load_tokenizer("models/sft")
+    real = agent.generate_with_tools
+    seen_masks = []
+
+    def forced(model, tokenizer, prompts, toolset, *a, **kw):
+        out = real(
+            model, tokenizer, prompts, toolset, *a, logits_processor=LogitsProcessorList([ForceCalls(tok)]), **kw
+        )
+        seen_masks.extend((r[0].completion_ids, r[0].env_mask, r[0].calls) for r in out)
+        return out
+
+    monkeypatch.setattr(agent, "generate_with_tools", forced)
+    SEEN_TOOL_KWARGS.clear()
+    before = {k: v.clone() for k, v in grpo.starting_model().state_dict().items()}
+    m = grpo.train(params)
+    assert m["steps"] == 2 and m["tool_use_rate_first"] == 1.0 and m["tool_error_rate_last"] == 0.0
+    assert m["generation_seconds"] > 0 and m["rollout_tokens_per_second"] > 0
+    assert seen_masks and all(calls for _, _, calls in seen_masks)
+    for ids, mask, calls in seen_masks:
+        inserted = [t for t, k in zip(ids, mask) if k == 0]
+        want = sum((tok(f"{c['result']}>>", add_special_tokens=False)["input_ids"] for c in calls), [])
+        assert inserted == want[: len(inserted)] and inserted  # the tool's tokens, and only they, are masked
+    assert SEEN_TOOL_KWARGS and all(c >= 1 for s in SEEN_TOOL_KWARGS for c in s["tool_calls"])
+    # rewards see the whole trace (conversational completions: [{"role": "assistant", "content": ...}])
+    assert all(">>" in c[0]["content"] for s in SEEN_TOOL_KWARGS for c in s["completions"])
+    merged, _ = load_policy("grpo")
+    after = merged.state_dict()
+    assert [k for k, v in before.items() if not torch.equal(v, after[k])], "GRPO did not change any weight"
+    rows = (trained["dir"] / "dvclive/grpo/plots/metrics/tools/tool_use_rate.tsv").read_text().splitlines()[1:]
+    assert rows and float(rows[0].split("\t")[-1]) == 1.0
+
+
+def test_chat_format_pipeline_runs_trl_native_tool_loop(tmp_path, monkeypatch):
+    """agent.format chat: the tiny model gets Qwen3's chat template (tool calls and tool turns), SFT data
+    carries the calls as <tool_call> turns, and GRPO runs TRL's own multi-turn loop
+    (GRPOTrainer(tools=[calculator])) for a few steps; evaluation runs the same calls through our loop."""
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from agentrl import base, grpo, prepare, sft
+    from agentrl.config import load_params
+    from agentrl.evaluate import evaluate
+    from agentrl.modeling import load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    p = mini_params()
+    p["agent"]["format"] = "chat"
+    p["data"]["synthetic"].update(num_train=60, num_test=6)
+    p["sft"]["trainer"].update(max_steps=2, max_length=1024)
+    p["grpo"]["trainer"].update(max_steps=2, max_completion_length=24)
+    write_params(tmp_path / "params.yaml", p)
+    params = load_params()
+    prepare.prepare(params)
+    base.build_tiny(params)
+    tok = load_tokenizer("models/base")
+    assert tok.chat_template == qwen3_chat_template
+    feats = sft.dataset(tok, params)
+    text = tok.decode(feats[0]["input_ids"])
+    assert '"name": "calculator"' in text and "<tool_call>" in text and "<tool_response>" in text
+    sft.train(params)
+    seen = {}
+    import trl
+
+    orig = trl.GRPOTrainer.__init__
+
+    def spy(self, *a, **kw):
+        seen.update(tools=kw.get("tools"), rollout_func=kw.get("rollout_func"))
+        orig(self, *a, **kw)
+        seen["response_template"] = getattr(self.processing_class, "response_template", None)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", spy)
+    m = grpo.train(params)
+    assert m["steps"] == 2 and m["generation_seconds"] is None  # TRL generated: no project rollout timer
+    assert [t.__name__ for t in seen["tools"]] == ["calculator"] and seen["rollout_func"] is None
+    assert seen["response_template"] is not None  # TRL recognised Qwen3's template and can parse tool calls
+    assert (tmp_path / "models/grpo/adapter_config.json").exists()
+    e = evaluate(params, "grpo")
+    assert e["num_samples"] == 6 and "tool_use_rate" in e and e["tools"] == "calculator"

@@ -1,10 +1,11 @@
 """scripts/wandb_report.py builds its W&B Report offline (saving needs a key and the network)."""
+
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import wandb_report  # noqa: E402
+import wandb_report
 
 
 def _panels(report):
@@ -16,8 +17,14 @@ def test_report_has_training_accuracy_and_prediction_panels():
     assert (report.project, report.entity) == ("agentic-rl", "my-team")
     panels = _panels(report)
     line_keys = {k for p in panels if type(p).__name__ == "LinePlot" for k in p.y}
-    assert {"train/loss", "train/learning_rate", "train/reward", "train/reward_std", "train/kl",
-            "train/completions/mean_length"} <= line_keys
+    assert {
+        "train/loss",
+        "train/learning_rate",
+        "train/reward",
+        "train/reward_std",
+        "train/kl",
+        "train/completions/mean_length",
+    } <= line_keys
     bars = [p for p in panels if type(p).__name__ == "BarPlot"]
     assert ["eval/accuracy"] in [p.metrics for p in bars]
     tables = {p.table_name for p in panels if type(p).__name__ == "WeavePanelSummaryTable"}

@@ -9,6 +9,7 @@
 * a hub id (e.g. Qwen/Qwen3-0.6B): `from_pretrained` at `model.revision`; the resolved commit is
   written to metrics/base.json so dvc.lock pins it.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,21 +19,31 @@ import time
 from .common import get_logger, peak_rss_mb, precision_kwargs, resolve_precision, write_json
 from .config import Params, load_params_or_exit
 from .data import MULTIPLIER_MAX, load_jsonl
-from .modeling import STAGE_DIRS, build_tiny_model, load_model, load_tokenizer, train_tokenizer
+from .modeling import (
+    STAGE_DIRS,
+    bake_chat_template_kwargs,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    train_tokenizer,
+)
+from .tools import split_annotated
 
 log = get_logger("base")
 METRICS = "metrics/base.json"
 
 
-def arithmetic_facts(n: int, lo: int, hi: int, max_value: int, seed: int) -> list[str]:
+def arithmetic_facts(
+    n: int, lo: int, hi: int, max_value: int, seed: int, multiplier_max: int = MULTIPLIER_MAX
+) -> list[str]:
     """Random facts in the notation of the solutions ('x+b=y', 'x-b=y', 'x*b=y') over the values the
-    task uses: x in [0, max_value], b in [lo, hi] (multipliers 2..MULTIPLIER_MAX), results <= max_value."""
+    task uses: x in [0, max_value], b in [lo, hi] (multipliers 2..multiplier_max), results <= max_value."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:
         op = rng.choice("+-*")
         if op == "*":
-            b = rng.randint(2, max(2, min(hi, MULTIPLIER_MAX)))
+            b = rng.randint(2, max(2, min(hi, multiplier_max)))
             x = rng.randint(max(lo, 1), max(max(lo, 1), max_value // b))
             out.append(f"{x}*{b}={x * b}")
         elif op == "+":
@@ -56,22 +67,41 @@ def pretrain(model, tokenizer, docs: list[str], params: Params) -> dict:
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids.extend(enc + [tokenizer.pad_token_id])  # <|endoftext|> between documents
     n_blocks = len(ids) // p.block_size
-    blocks = [ids[i * p.block_size:(i + 1) * p.block_size] for i in range(n_blocks)]
+    blocks = [ids[i * p.block_size : (i + 1) * p.block_size] for i in range(n_blocks)]
     ds = Dataset.from_dict({"input_ids": blocks})
     log.info("pretraining on %d tokens (%d blocks of %d), %s epochs", len(ids), n_blocks, p.block_size, p.epochs)
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=p.batch_size, num_train_epochs=p.epochs,
-            learning_rate=p.learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05, weight_decay=0.01,
-            logging_steps=50, save_strategy="no", report_to="none", seed=params.seed, data_seed=params.seed,
-            disable_tqdm=False, **precision_kwargs(params.model.precision),
+            output_dir=tmp,
+            per_device_train_batch_size=p.batch_size,
+            num_train_epochs=p.epochs,
+            learning_rate=p.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=0.05,
+            weight_decay=0.01,
+            logging_steps=50,
+            save_strategy="no",
+            report_to="none",
+            seed=params.seed,
+            data_seed=params.seed,
+            disable_tqdm=False,
+            **precision_kwargs(params.model.precision),
         )
-        trainer = Trainer(model=model, args=args, train_dataset=ds,
-                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=ds,
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        )
         out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"tokens": len(ids), "steps": out.global_step, "first_loss": losses[0] if losses else None,
-            "final_loss": losses[-1] if losses else None, "runtime_s": round(out.metrics["train_runtime"], 2)}
+    return {
+        "tokens": len(ids),
+        "steps": out.global_step,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "runtime_s": round(out.metrics["train_runtime"], 2),
+    }
 
 
 def build_tiny(params: Params) -> dict:
@@ -81,10 +111,24 @@ def build_tiny(params: Params) -> dict:
     sft = load_jsonl("data/prepared/sft_train.jsonl")
     questions = [r["prompt"][-1]["content"] for r in sft]
     syn = params.data.synthetic
-    facts = arithmetic_facts(params.model.pretrain.num_arithmetic_facts, syn.operand_min, syn.operand_max,
-                             syn.max_value, params.seed)
-    tok_text = questions + [r["completion"][0]["content"] for r in sft] + [r["prompt"][0]["content"] for r in sft[:1]]
+    facts = arithmetic_facts(
+        params.model.pretrain.num_arithmetic_facts,
+        syn.operand_min,
+        syn.operand_max,
+        syn.max_value,
+        params.seed,
+        syn.multiplier_max,
+    )
+    completions = [r["completion"][0]["content"] for r in sft]
+    if params.agent.tools and params.agent.format == "chat":  # the tool-call turns are part of what it reads
+        completions = ["".join(seg for seg, _ in split_annotated(c, "chat")) for c in completions]
+    tok_text = questions + completions + [r["prompt"][0]["content"] for r in sft[:1]]
     tokenizer = train_tokenizer(tok_text + facts, params.model.tiny.vocab_size)
+    if params.agent.tools and params.agent.format == "chat":
+        from trl.chat_template_utils import qwen3_chat_template
+
+        # Qwen3's template renders tool calls and tool turns, and TRL's GRPOTrainer(tools=...) recognises it
+        tokenizer.chat_template = qwen3_chat_template
     model = build_tiny_model(tokenizer, params.model.tiny, params.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("tiny Qwen3: %d parameters, vocab %d", n_params, len(tokenizer))
@@ -101,7 +145,7 @@ def build_tiny(params: Params) -> dict:
 def from_hub(params: Params) -> dict:
     name, rev = params.model.base_model, params.model.revision
     log.info("loading %s at revision %s", name, rev)
-    tokenizer = load_tokenizer_hub(name, rev)
+    tokenizer = bake_chat_template_kwargs(load_tokenizer_hub(name, rev), params.model.chat_template_kwargs)
     model = load_model(name, revision=rev)
     commit = getattr(model.config, "_commit_hash", None)
     if commit is None:
@@ -110,8 +154,12 @@ def from_hub(params: Params) -> dict:
         commit = model_info(name, revision=rev).sha
     model.save_pretrained(STAGE_DIRS["base"])
     tokenizer.save_pretrained(STAGE_DIRS["base"])
-    return {"base_model": name, "revision": rev, "resolved_commit": commit,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "base_model": name,
+        "revision": rev,
+        "resolved_commit": commit,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def load_tokenizer_hub(name: str, revision: str):

@@ -1,4 +1,5 @@
 """Small shared helpers: logging, metrics files, device and precision choice."""
+
 from __future__ import annotations
 
 import json
@@ -95,13 +96,30 @@ def scaled_learning_rate(lr: float, rule: str, effective: int, reference: int) -
     if rule == "none":
         return lr
     ratio = effective / reference
-    return lr * (ratio ** 0.5 if rule == "sqrt" else ratio)
+    return lr * (ratio**0.5 if rule == "sqrt" else ratio)
 
 
-def stage_learning_rate(train, distributed) -> float:
-    """A training section's learning rate after distributed.scale_lr for its effective batch."""
-    eff = effective_batch(train.per_device_train_batch_size, train.gradient_accumulation_steps)
-    return scaled_learning_rate(train.learning_rate, distributed.scale_lr, eff, distributed.reference_batch)
+def trainer_effective_batch(stage: str, trainer: dict) -> int:
+    """`<stage>.trainer`'s effective batch: per-device batch x processes x accumulation (TRL defaults for
+    what the section leaves out)."""
+    from .config import passthrough_value
+
+    path = f"{stage}.trainer"
+    return effective_batch(
+        passthrough_value(path, trainer, "per_device_train_batch_size"),
+        passthrough_value(path, trainer, "gradient_accumulation_steps"),
+    )
+
+
+def stage_learning_rate(stage: str, trainer: dict, distributed) -> float:
+    """`<stage>.trainer.learning_rate` (the reference learning rate; TRL's default when unset) after
+    distributed.scale_lr for the stage's effective batch. The stage hands the result to SFTConfig/GRPOConfig."""
+    from .config import passthrough_value
+
+    lr = passthrough_value(f"{stage}.trainer", trainer, "learning_rate")
+    return scaled_learning_rate(
+        lr, distributed.scale_lr, trainer_effective_batch(stage, trainer), distributed.reference_batch
+    )
 
 
 def fingerprint(*parts: Any) -> str:
@@ -124,6 +142,71 @@ def code_files() -> list[Path]:
     """The package's source files: part of a checkpoint's fingerprint, so a run resumes only with the
     code that started it (a code change re-runs the stage from scratch, as DVC expects)."""
     return sorted(Path(__file__).parent.glob("*.py"))
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def model_files_digest(directory: str | Path) -> str:
+    """One digest over every file of a model directory (every weight shard: *.safetensors, *.bin, ..., and
+    the configs, adapter and tokenizer files next to them), by relative path and content. Part of a
+    checkpoint's fingerprint: a run resumes only on the very input model it started from, sharded or not.
+    A missing directory, or one with no weight file, is an error naming it (never a hub lookup)."""
+    import hashlib
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: model directory not found (run the stage that writes it first)")
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    if not any(p.match(pat) for p in files for pat in WEIGHT_PATTERNS):
+        raise FileNotFoundError(f"{directory}: no weight file ({', '.join(WEIGHT_PATTERNS)}) in the model directory")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.relative_to(directory).as_posix()}\0{file_digest(p)}\0".encode())
+    return h.hexdigest()[:16]
+
+
+# accelerate passes the launch configuration to each process in ACCELERATE_* variables; these describe the
+# run's parallel layout (DeepSpeed stage, offload, mixed precision, FSDP ...). Debug/affinity ones do not.
+_IGNORED_ACCELERATE_ENV = {
+    "ACCELERATE_DEBUG_MODE",
+    "ACCELERATE_DEBUG_RDV_FILE",
+    "ACCELERATE_CPU_AFFINITY",
+    "ACCELERATE_LOG_LEVEL",
+}
+
+
+def run_environment_digest(params) -> dict:
+    """What makes a checkpoint of the same params incompatible or different across launches: the
+    accelerate config file (path and contents), the number of processes actually running, the launch
+    settings accelerate hands to the processes, the resolved precision and the device type. With it in
+    the fingerprint, `make repro` followed by `make train-zero2 NPROC=2` trains from scratch instead of
+    "resuming" a single-process checkpoint that DeepSpeed cannot load."""
+    d = params.distributed
+    cfg = Path(d.accelerate_config)
+    return {
+        "accelerate_config": d.accelerate_config,
+        "accelerate_config_sha": file_digest(cfg) if cfg.is_file() else "missing",
+        "distributed": d.model_dump(mode="json"),
+        "world_size": world_size(),
+        "launch_env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith("ACCELERATE_") and k not in _IGNORED_ACCELERATE_ENV
+        },
+        "precision": resolve_precision(params.model.precision),
+        "device": device_name(),
+    }
+
+
+def checkpoint_step(checkpoint: Optional[str | Path]) -> int:
+    """The optimizer step a checkpoint was saved at (0 for None): where a resumed run's segment starts."""
+    if not checkpoint:
+        return 0
+    state = Path(checkpoint) / "trainer_state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text()).get("global_step", 0))
+    return int(str(checkpoint).rstrip("/").rsplit("-", 1)[-1])
 
 
 def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:

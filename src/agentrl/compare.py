@@ -5,6 +5,7 @@ binomial test on the discordant pairs) for the p-value, and a seeded paired boot
 confidence interval of grpo - sft. Writes metrics/compare.json and metrics/accuracy_by_stage.csv
 (the accuracy-per-stage plot).
 """
+
 from __future__ import annotations
 
 import csv
@@ -17,6 +18,7 @@ from .config import load_params_or_exit
 from .data import load_jsonl
 
 STAGES = ("base", "sft", "grpo")
+TOOL_KEYS = ("tool_use_rate", "tool_calls_per_problem", "tool_error_rate")
 log = get_logger("compare")
 
 
@@ -26,7 +28,7 @@ def mcnemar_exact(b: int, c: int) -> float:
     if n == 0:
         return 1.0
     k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -49,9 +51,15 @@ def paired_test(a: dict[str, bool], b: dict[str, bool], seed: int) -> dict:
     only_a = sum(1 for u, v in zip(x, y) if u and not v)
     only_b = sum(1 for u, v in zip(x, y) if v and not u)
     lo, hi = paired_bootstrap_ci(x, y, seed)
-    return {"n": len(ids), "difference": (sum(y) - sum(x)) / len(ids), "only_before_correct": only_a,
-            "only_after_correct": only_b, "p_value": mcnemar_exact(only_a, only_b),
-            "ci95": [round(lo, 4), round(hi, 4)], "test": "exact McNemar; paired bootstrap CI (2000 resamples)"}
+    return {
+        "n": len(ids),
+        "difference": (sum(y) - sum(x)) / len(ids),
+        "only_before_correct": only_a,
+        "only_after_correct": only_b,
+        "p_value": mcnemar_exact(only_a, only_b),
+        "ci95": [round(lo, 4), round(hi, 4)],
+        "test": "exact McNemar; paired bootstrap CI (2000 resamples)",
+    }
 
 
 def correctness(stage: str) -> dict[str, bool]:
@@ -60,7 +68,8 @@ def correctness(stage: str) -> dict[str, bool]:
 
 def main() -> None:
     params = load_params_or_exit()
-    acc = {s: read_json(f"metrics/eval_{s}.json")["accuracy"] for s in STAGES}
+    evals = {s: read_json(f"metrics/eval_{s}.json") for s in STAGES}
+    acc = {s: evals[s]["accuracy"] for s in STAGES}
     sft_vs_grpo = paired_test(correctness("sft"), correctness("grpo"), params.seed)
     base_vs_sft = paired_test(correctness("base"), correctness("sft"), params.seed)
     out = {
@@ -71,6 +80,8 @@ def main() -> None:
         "ci95": sft_vs_grpo["ci95"],
         "grpo_vs_sft": sft_vs_grpo,
         "sft_vs_base": base_vs_sft,
+        # tool use before/after GRPO (absent when the pipeline runs without tools)
+        **{f"{s}_{k}": evals[s][k] for s in ("sft", "grpo") for k in TOOL_KEYS if k in evals[s]},
     }
     write_json("metrics/compare.json", out)
     with open("metrics/accuracy_by_stage.csv", "w", newline="") as f:
@@ -78,8 +89,23 @@ def main() -> None:
         w.writerow(["stage", "accuracy"])
         for s in STAGES:
             w.writerow([s, round(acc[s], 4)])
-    log.info("accuracy base %.3f -> sft %.3f -> grpo %.3f; grpo-sft %+.3f (95%% CI %+.3f..%+.3f, p=%.2g)",
-             acc["base"], acc["sft"], acc["grpo"], out["grpo_minus_sft"], *out["ci95"], out["p_value"])
+    log.info(
+        "accuracy base %.3f -> sft %.3f -> grpo %.3f; grpo-sft %+.3f (95%% CI %+.3f..%+.3f, p=%.2g)",
+        acc["base"],
+        acc["sft"],
+        acc["grpo"],
+        out["grpo_minus_sft"],
+        *out["ci95"],
+        out["p_value"],
+    )
+    if "grpo_tool_use_rate" in out:
+        log.info(
+            "tool use sft %.3f -> grpo %.3f (calls per problem %.2f -> %.2f)",
+            out["sft_tool_use_rate"],
+            out["grpo_tool_use_rate"],
+            out["sft_tool_calls_per_problem"],
+            out["grpo_tool_calls_per_problem"],
+        )
 
 
 if __name__ == "__main__":

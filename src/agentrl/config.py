@@ -1,17 +1,23 @@
-"""Typed schema of params.yaml: every knob of every stage lives here.
+"""Typed schema of params.yaml: the project's own knobs live here; TRL's and PEFT's are passed through.
 
 Each stage calls `load_params()` first. Unknown keys (typos), wrong types and out-of-range values
 stop the stage with one message naming the key path and what was expected, before any data or
-model is touched.
+model is touched. `sft.trainer` / `grpo.trainer` / `*.lora` hand their keys to trl.SFTConfig /
+trl.GRPOConfig / peft.LoraConfig unchanged (PASSTHROUGH); their keys are checked against those
+dataclasses' own fields and annotations (an unknown one names the closest valid name), and values the
+stage derives (DERIVED) cannot be set there. The YAML is read strictly: a duplicate key is an error,
+types are not coerced ("150" is no number, true is no int) and .inf/.nan are rejected.
 """
+
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 PARAMS_FILE = "params.yaml"
 
@@ -19,7 +25,8 @@ PosInt = Field(ge=1)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True)
+    # strict: "150" or true are not numbers, 1 is not a bool; allow_inf_nan: .inf/.nan are no param's value
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, validate_default=True)
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -27,12 +34,15 @@ class SyntheticParams(Strict):
     num_train: int = Field(12000, ge=1)
     num_test: int = Field(500, ge=1)
     operand_min: int = Field(1, ge=0)
-    operand_max: int = Field(19, ge=1)
-    max_value: int = Field(99, ge=2)
+    operand_max: int = Field(99, ge=1)
+    max_value: int = Field(999, ge=2)
     direct_answer_rate: float = Field(0.0, ge=0, le=1)
     digit_steps_rate: float = Field(0.0, ge=0, le=1)
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
-    steps: dict[int, float] = Field(default_factory=lambda: {1: 0.35, 2: 0.45, 3: 0.2})
+    steps: dict[int, float] = Field(default_factory=lambda: {1: 0.3, 2: 0.4, 3: 0.3})
+    multiplier_max: int = Field(9, ge=2)  # "b times as many": b in 2..multiplier_max
+    distractor_rate: float = Field(0.4, ge=0, le=1)  # share of problems that mention another person's count
+    compare_rate: float = Field(0.5, ge=0, le=1)  # ... of which ask "how many more than" that person
 
     @field_validator("steps")
     @classmethod
@@ -66,9 +76,12 @@ class DataParams(Strict):
     hub_revision: Optional[str] = None
     max_samples: Optional[int] = Field(None, ge=1)
     eval_max_samples: Optional[int] = Field(500, ge=1)
-    strip_calculator_annotations: bool = True
+    # GSM8K calculator annotations <<a*b=c>>: 'auto' keeps them when agent.tools is set (they are the tool
+    # calls the policy learns), strips them otherwise; true/false force it
+    strip_calculator_annotations: Union[Literal["auto"], StrictBool] = "auto"
+    calculator_share: float = Field(0.6, ge=0, le=1)  # share of kept-annotation training solutions that call the tool
     on_bad_rows: Literal["error", "drop"] = "error"
-    system_prompt: str = "Solve the math problem step by step. End with '#### <number>'."
+    system_prompt: str = ""
     synthetic: SyntheticParams = Field(default_factory=SyntheticParams)
 
     @model_validator(mode="after")
@@ -98,8 +111,8 @@ class TinyModelParams(Strict):
 
 class PretrainParams(Strict):
     enabled: bool = True
-    num_arithmetic_facts: int = Field(30000, ge=0)
-    epochs: float = Field(2, gt=0)
+    num_arithmetic_facts: int = Field(40000, ge=0)
+    epochs: float = Field(1, gt=0)
     learning_rate: float = Field(3e-3, gt=0, le=1)
     batch_size: int = Field(32, ge=1)
     block_size: int = Field(128, ge=16)
@@ -109,51 +122,25 @@ class ModelParams(Strict):
     base_model: str = "tiny"
     revision: str = "main"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # how training loads the model (from_pretrained(attn_implementation=...)); flash_attention_2 needs the
+    # flash-attn package and a CUDA GPU
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # variables baked into a hub tokenizer's chat template by `base` (e.g. Qwen3 {enable_thinking: false}), so
+    # SFT, GRPO, evaluation and serving all render the same prompt
+    chat_template_kwargs: dict[str, Union[StrictBool, int, float, str, None]] = Field(default_factory=dict)
     tiny: TinyModelParams = Field(default_factory=TinyModelParams)
     pretrain: PretrainParams = Field(default_factory=PretrainParams)
 
 
 # ------------------------------------------------------------------------------------ training
-class LoraParams(Strict):
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-    )
-
-
-class TrainCommon(Strict):
-    use_lora: bool = True
-    lora: LoraParams = Field(default_factory=LoraParams)
-    learning_rate: float = Field(gt=0, le=1)
-    num_epochs: float = Field(1, gt=0)
-    max_steps: int = Field(-1, ge=-1)
-    per_device_train_batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    lr_scheduler_type: str = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    # TRL turns gradient checkpointing on by default; it trades ~30% more compute for activation memory,
-    # a loss on a tiny model or CPU. Turn it on for large models on small GPUs.
-    gradient_checkpointing: bool = False
-    logging_steps: int = Field(10, ge=1)
-    save_steps: int = Field(100, ge=1)
-    save_total_limit: int = Field(2, ge=1)
-
-    @field_validator("max_steps")
-    @classmethod
-    def _max_steps(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("must be -1 (use num_epochs) or a positive number of steps")
-        return v
-
-
-class SFTParams(TrainCommon):
-    learning_rate: float = Field(2e-4, gt=0, le=1)
-    max_length: int = Field(512, ge=16)
+# `sft.trainer`, `grpo.trainer` and `*.lora` are pass-through sections: their keys are TRL's / PEFT's own
+# arguments, handed to SFTConfig / GRPOConfig / LoraConfig unchanged (see PASSTHROUGH below). They have no
+# schema defaults: what params.yaml does not set takes the TRL/PEFT default. Only the project's own keys
+# (use_lora, rewards, reward_kwargs) are typed here, without defaults either: params.yaml is their one source.
+class SFTParams(Strict):
+    use_lora: bool
+    lora: dict[str, Any]  # -> peft.LoraConfig(**lora); task_type is set by the stage
+    trainer: dict[str, Any]  # -> trl.SFTConfig(**trainer) plus the derived values (DERIVED)
 
 
 class RewardKwargs(Strict):
@@ -163,18 +150,12 @@ class RewardKwargs(Strict):
     step_cap: float = Field(0.3, ge=0)
 
 
-class GRPOParams(TrainCommon):
-    learning_rate: float = Field(1e-5, gt=0, le=1)
-    lr_scheduler_type: str = "constant"
-    kl_coef: float = Field(0.0, ge=0)
-    num_generations: int = Field(8, ge=2)
-    temperature: float = Field(0.8, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_completion_length: int = Field(256, ge=1)
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1})
-    reward_kwargs: RewardKwargs = Field(default_factory=RewardKwargs)
+class GRPOParams(Strict):
+    use_lora: bool
+    lora: dict[str, Any]  # -> peft.LoraConfig(**lora)
+    trainer: dict[str, Any]  # -> trl.GRPOConfig(**trainer) plus the derived values (DERIVED)
+    rewards: dict[str, float]  # name (or module:function) -> weight; the weights become GRPOConfig.reward_weights
+    reward_kwargs: RewardKwargs
 
     @field_validator("rewards")
     @classmethod
@@ -185,8 +166,8 @@ class GRPOParams(TrainCommon):
 
 
 class EvalParams(Strict):
-    batch_size: int = Field(64, ge=1)
-    max_new_tokens: int = Field(256, ge=1)
+    batch_size: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     samples_per_problem: int = Field(1, ge=1)
@@ -199,7 +180,7 @@ class EvalParams(Strict):
 
 
 class ExportParams(Strict):
-    quantize: Literal["none", "int8"] = "none"
+    quantize: Literal["none", "int8"] = "int8"  # bitsandbytes on CUDA, torch dynamic int8 on CPU (quantize.py)
     max_abs_logit_diff: float = Field(1e-4, gt=0)
     num_verify_prompts: int = Field(8, ge=1)
 
@@ -228,21 +209,206 @@ class DistributedParams(Strict):
     reference_batch: int = Field(32, ge=1)
 
 
+class AgentParams(Strict):
+    tools: list[str] = Field(default_factory=lambda: ["calculator"])  # [] = no tools; names or module:function
+    format: Literal["inline", "chat"] = "inline"  # inline: <<expr=  result>> ; chat: <tool_call> JSON turns
+    max_tool_calls: int = Field(8, ge=1)  # per completion; a completion that asks for more is ended
+    max_expression_chars: int = Field(200, ge=1, le=10000)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[str]) -> list[str]:
+        from .tools import get_tool
+
+        for name in v:
+            get_tool(name)  # unknown names fail here, with the list of known ones
+        if len(set(v)) != len(v):
+            raise ValueError("a tool is listed twice")
+        return v
+
+
 class Params(Strict):
-    seed: int = Field(42, ge=0)
+    seed: int = Field(42, ge=0, le=2**32 - 1)  # numpy seeds are 32-bit
     data: DataParams = Field(default_factory=DataParams)
     model: ModelParams = Field(default_factory=ModelParams)
-    sft: SFTParams = Field(default_factory=SFTParams)
-    grpo: GRPOParams = Field(default_factory=GRPOParams)
+    sft: SFTParams  # no defaults: pass-through sections, params.yaml is their one source
+    grpo: GRPOParams
     eval: EvalParams = Field(default_factory=EvalParams)
     export: ExportParams = Field(default_factory=ExportParams)
     serve: ServeParams = Field(default_factory=ServeParams)
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     distributed: DistributedParams = Field(default_factory=DistributedParams)
+    agent: AgentParams = Field(default_factory=AgentParams)
+
+    @model_validator(mode="after")
+    def _agent(self) -> "Params":
+        if self.agent.format == "inline" and len(self.agent.tools) > 1:
+            raise ValueError("agent.format 'inline' (<<expr=) drives one tool; list one in agent.tools or use 'chat'")
+        return self
 
 
 class ParamsError(ValueError):
     """params.yaml is invalid; the message names every offending key path."""
+
+
+# ------------------------------------------------------------------------- pass-through sections
+# Each of these params sections is handed to a TRL/PEFT dataclass as keyword arguments, unchanged.
+PASSTHROUGH = {
+    "sft.trainer": ("trl", "SFTConfig"),
+    "grpo.trainer": ("trl", "GRPOConfig"),
+    "sft.lora": ("peft", "LoraConfig"),
+    "grpo.lora": ("peft", "LoraConfig"),
+}
+# Arguments the stage derives from other params. Setting one in the pass-through section is an error that
+# says where it comes from. (`learning_rate` is not here: the trainer's value is the reference learning
+# rate that distributed.scale_lr scales for the effective batch.)
+_TRAINER_DERIVED = {
+    "output_dir": "set by the stage (checkpoints/<stage>/; the result is saved to models/<stage>/)",
+    "seed": "set by the stage from 'seed'",
+    "data_seed": "set by the stage from 'seed'",
+    "bf16": "set by the stage from 'model.precision'",
+    "fp16": "set by the stage from 'model.precision'",
+    "use_cpu": "set by the stage from the device and 'distributed.*' (multi-process CPU runs)",
+    "ddp_backend": "set by the stage from the device and 'distributed.*' (gloo on CPU)",
+    "report_to": "set by the stage from 'tracking.report_to'",
+    "run_name": "set by the stage from the DVC experiment name (see 'tracking')",
+    "logging_dir": "set by the stage (runs/<stage>/; see 'tracking.report_to')",
+    "deepspeed": "set by the launcher from 'distributed.accelerate_config'",
+    "fsdp": "set by the launcher from 'distributed.accelerate_config'",
+    "fsdp_config": "set by the launcher from 'distributed.accelerate_config'",
+    "resume_from_checkpoint": "set by the stage (it resumes checkpoints/<stage>/ when the run's fingerprint matches)",
+    "model_init_kwargs": (
+        "set by the stage, which loads the model, from 'model.precision' and 'model.attn_implementation'"
+    ),
+}
+DERIVED = {
+    "sft.trainer": _TRAINER_DERIVED,
+    "grpo.trainer": {**_TRAINER_DERIVED, "reward_weights": "set by the stage from 'grpo.rewards'"},
+    "sft.lora": {"task_type": "set by the stage (CAUSAL_LM)"},
+    "grpo.lora": {"task_type": "set by the stage (CAUSAL_LM)"},
+}
+
+
+def passthrough_class(path: str) -> type:
+    import importlib
+
+    module, name = PASSTHROUGH[path]
+    return getattr(importlib.import_module(module), name)
+
+
+def _init_fields(cls: type) -> dict:
+    import dataclasses
+
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+_ADAPTERS: dict = {}
+
+
+def _type_error(cls: type, name: str, value: Any) -> Optional[str]:
+    """None when `value` fits the dataclass field's annotation (strictly: "150" is no int, true no number)."""
+    import typing
+
+    from pydantic import TypeAdapter
+
+    key = (cls, name)
+    if key not in _ADAPTERS:
+        try:
+            hint = typing.get_type_hints(cls)[name]
+            _ADAPTERS[key] = (
+                hint,
+                TypeAdapter(hint, config=ConfigDict(strict=True, allow_inf_nan=False, arbitrary_types_allowed=True)),
+            )
+        except Exception:  # an annotation pydantic cannot check: the dataclass itself checks it at build time
+            _ADAPTERS[key] = (None, None)
+    hint, adapter = _ADAPTERS[key]
+    if adapter is None:
+        return None
+    try:
+        adapter.validate_python(value)
+    except ValidationError:
+        shown = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        return f"expected {shown}, as {cls.__name__} declares it (got {value!r})"
+    return None
+
+
+def _non_finite(value: Any, path: str) -> list[str]:
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{path}: must be a finite number (got {value!r})"]
+    if isinstance(value, dict):
+        return [e for k, v in value.items() for e in _non_finite(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [e for i, v in enumerate(value) for e in _non_finite(v, f"{path}.{i}")]
+    return []
+
+
+def passthrough_errors(raw: dict) -> list[str]:
+    """Key-by-key check of the pass-through sections: derived keys, unknown keys (with the closest valid
+    name), value types from the dataclass's own annotations, finite numbers; LoraConfig is also built (cheap,
+    no side effects). SFTConfig/GRPOConfig are built by the stage first thing (building one initialises the
+    accelerate state), so their cross-field checks stop the stage before it loads anything."""
+    import difflib
+
+    errors = []
+    for path in PASSTHROUGH:
+        section, sub = path.split(".")
+        values = (raw.get(section) or {}).get(sub) if isinstance(raw.get(section), dict) else None
+        if not isinstance(values, dict):
+            continue  # missing or not a mapping: the schema reports it
+        cls = passthrough_class(path)
+        fields = _init_fields(cls)
+        before = len(errors)
+        for key, value in values.items():
+            where = f"{path}.{key}"
+            if key in DERIVED[path]:
+                errors.append(f"{where}: {DERIVED[path][key]}; remove it here")
+            elif key not in fields:
+                close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                errors.append(f"{where}: unknown argument of {cls.__name__}{hint}")
+            elif nf := _non_finite(value, where):
+                errors += nf
+            elif (msg := _type_error(cls, key, value)) is not None:
+                errors.append(f"{where}: {msg}")
+        for key in ("learning_rate", "r"):  # zero trains nothing (lr) or fails deep inside PEFT (r); TRL/PEFT accept it
+            v = values.get(key)
+            if len(errors) == before and isinstance(v, (int, float)) and v <= 0:
+                errors.append(f"{path}.{key}: must be > 0 (got {v!r})")
+        if len(errors) == before and cls.__name__ == "LoraConfig":
+            try:
+                build_passthrough(path, values)
+            except ParamsError as e:
+                errors.append(str(e))
+    return errors
+
+
+def build_passthrough(path: str, values: dict, **derived):
+    """`cls(**values, **derived)` for the pass-through section `path` (a deep copy of the values: the
+    dataclass never edits params). A value the dataclass rejects is a ParamsError naming the section."""
+    import copy
+
+    cls = passthrough_class(path)
+    if cls.__name__ == "LoraConfig":
+        derived = {"task_type": "CAUSAL_LM", **derived}
+    clash = sorted(set(values) & set(derived))
+    if clash:
+        raise ParamsError(f"{path}.{clash[0]}: {DERIVED[path].get(clash[0], 'set by the stage')}; remove it here")
+    try:
+        return cls(**copy.deepcopy(values), **derived)
+    except (TypeError, ValueError) as e:
+        raise ParamsError(f"{path}: {cls.__name__} rejected the configuration: {e}") from None
+
+
+def passthrough_value(path: str, values: dict, name: str) -> Any:
+    """A pass-through argument as the dataclass will see it: the params value, else the dataclass default."""
+    import dataclasses
+
+    if name in values:
+        return values[name]
+    f = _init_fields(passthrough_class(path))[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _describe(err: dict[str, Any]) -> str:
@@ -257,22 +423,66 @@ def _describe(err: dict[str, Any]) -> str:
 def validate_params(raw: Any, source: str = PARAMS_FILE) -> Params:
     if not isinstance(raw, dict):
         raise ParamsError(f"{source}: expected a mapping of sections, got {type(raw).__name__}")
+    lines, params = [], None
     try:
-        return Params.model_validate(raw)
+        params = Params.model_validate(raw)
     except ValidationError as e:
         lines = [_describe(err) for err in e.errors()]
-        raise ParamsError(f"invalid {source}:\n  " + "\n  ".join(lines)) from None
+    lines += passthrough_errors(raw)
+    if lines:
+        raise ParamsError(f"invalid {source}:\n  " + "\n  ".join(lines))
+    return params
+
+
+# ------------------------------------------------------------------------------------ strict YAML
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-6` as a number (YAML 1.2, as DVC's `-S` writes floats; YAML 1.1
+    would make it the string "1e-6")."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _duplicate_keys(node, source: str, path: str = "") -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            where = f"{path}.{key}" if path else str(key)
+            if key is not None and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ParamsError(
+                        f"{source}:{line}: duplicate key '{where}' (first on line {seen[key]}); "
+                        f"YAML would silently keep the last value"
+                    )
+                seen[key] = line
+            _duplicate_keys(value_node, source, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _duplicate_keys(item, source, f"{path}.{i}")
+
+
+def load_yaml(path: str | Path) -> Any:
+    """A params-style YAML file read strictly: duplicate keys are an error naming the key and line."""
+    path = Path(path)
+    text = path.read_text()
+    try:
+        _duplicate_keys(yaml.compose(text, Loader=_Loader), str(path))
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
 
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: file not found (run from the repository root)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ParamsError(f"{path}: not valid YAML: {e}") from None
-    return validate_params(raw, str(path))
+    return validate_params(load_yaml(path), str(path))
 
 
 def load_params_or_exit(path: str | Path = PARAMS_FILE) -> Params:

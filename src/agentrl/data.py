@@ -3,6 +3,7 @@
 All three sources (synthetic, gsm8k from the hub, local jsonl) yield raw GSM8K rows
 `{"question": ..., "answer": "<reasoning>\\n#### <number>"}` and go through the same parser.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,18 +13,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from .rewards import normalize_number, strip_calculator_annotations
+from .answers import normalize_number, strip_calculator_annotations
 
 # ------------------------------------------------------------------------- synthetic generator
 NAMES = [
-    ("Tom", "he", "his"), ("Anna", "she", "her"), ("Liam", "he", "his"), ("Mia", "she", "her"),
-    ("Noah", "he", "his"), ("Emma", "she", "her"), ("Omar", "he", "his"), ("Sara", "she", "her"),
-    ("Ivan", "he", "his"), ("Lena", "she", "her"), ("Ravi", "he", "his"), ("Yuki", "she", "her"),
-    ("Paul", "he", "his"), ("Nina", "she", "her"), ("Carl", "he", "his"), ("Zoe", "she", "her"),
+    ("Tom", "he", "his"),
+    ("Anna", "she", "her"),
+    ("Liam", "he", "his"),
+    ("Mia", "she", "her"),
+    ("Noah", "he", "his"),
+    ("Emma", "she", "her"),
+    ("Omar", "he", "his"),
+    ("Sara", "she", "her"),
+    ("Ivan", "he", "his"),
+    ("Lena", "she", "her"),
+    ("Ravi", "he", "his"),
+    ("Yuki", "she", "her"),
+    ("Paul", "he", "his"),
+    ("Nina", "she", "her"),
+    ("Carl", "he", "his"),
+    ("Zoe", "she", "her"),
 ]
 ITEMS = [
-    "apples", "books", "coins", "stamps", "marbles", "pencils", "cookies", "shells",
-    "cards", "stickers", "eggs", "flowers", "toys", "candies", "balls", "beads",
+    "apples",
+    "books",
+    "coins",
+    "stamps",
+    "marbles",
+    "pencils",
+    "cookies",
+    "shells",
+    "cards",
+    "stickers",
+    "eggs",
+    "flowers",
+    "toys",
+    "candies",
+    "balls",
+    "beads",
 ]
 ADD = ["{P} buys {b} more {items}.", "{P} finds {b} more {items}.", "A friend gives {o} {b} more {items}."]
 SUB = ["{P} gives away {b} {items}.", "{P} loses {b} {items}.", "{P} sells {b} {items}."]
@@ -55,8 +82,25 @@ def digit_line(x: int, op: str, b: int) -> str:
     return f"{x}{op}{b}: " + ", ".join(parts) + f", {x}{op}{b}={y}"
 
 
-def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str], max_value: int) -> dict | None:
-    name, p, o = rng.choice(NAMES)
+OTHER = ["{O} has {d} {items}.", "{O} owns {d} {items}.", "{O} keeps {d} {items} in a box."]
+
+
+def _one_problem(
+    rng: random.Random,
+    steps: int,
+    lo: int,
+    hi: int,
+    ops: list[str],
+    max_value: int,
+    multiplier_max: int = MULTIPLIER_MAX,
+    distractor_rate: float = 0.0,
+    compare_rate: float = 0.0,
+) -> dict | None:
+    """One problem: a chain of `steps` operations on one person's count. With `distractor_rate` the text
+    also states another person's count; with `compare_rate` (of those) the question asks how many more
+    the first person has than the other (one more step: the other count matters), otherwise that count
+    is a distractor to ignore."""
+    (name, p, o), (other, _, _) = rng.sample(NAMES, 2)
     items = rng.choice(ITEMS)
     x = rng.randint(max(lo, 1), hi)
     fmt = dict(Name=name, P=p.capitalize(), p=p, o="him" if p == "he" else "her", items=items)
@@ -72,7 +116,7 @@ def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str
                 b = rng.randint(max(lo, 1), min(hi, x))
                 y, q, s = x - b, rng.choice(SUB), SUB_SOL
             else:
-                b = rng.randint(2, max(2, min(hi, MULTIPLIER_MAX)))
+                b = rng.randint(2, max(2, min(hi, multiplier_max)))
                 y, q, s = x * b, rng.choice(MUL), MUL_SOL
             if y <= max_value:
                 break
@@ -80,16 +124,42 @@ def _one_problem(rng: random.Random, steps: int, lo: int, hi: int, ops: list[str
             return None  # no operation keeps this chain within max_value: the caller draws another problem
         question.append(q.format(b=b, **fmt))
         solution.append(s.format(x=x, b=b, y=y, **fmt))
-        digits.append(digit_line(x, op, b))
+        digits.append(digit_line(x, op, b) if max_value < 100 else solution[-1])
         x = y
-    question.append(f"How many {items} does {name} have now?")
-    return {"question": " ".join(question), "answer": "\n".join(solution) + f"\n#### {x}", "steps": steps,
-            "digits_answer": "\n".join(digits) + f"\n#### {x}"}
+    ask = f"How many {items} does {name} have now?"
+    if rng.random() < distractor_rate and x > 1:
+        d = rng.randint(1, min(hi, x - 1))
+        # first or last, so that every he/she still refers to the person the chain is about
+        question.insert(rng.choice([0, len(question)]), rng.choice(OTHER).format(O=other, d=d, items=items))
+        if rng.random() < compare_rate:
+            ask = f"How many more {items} does {name} have than {other} in the end?"
+            solution.append(SUB_SOL.format(x=x, b=d, y=x - d))
+            digits.append(solution[-1])
+            x, steps = x - d, steps + 1
+    question.append(ask)
+    return {
+        "question": " ".join(question),
+        "answer": "\n".join(solution) + f"\n#### {x}",
+        "steps": steps,
+        "digits_answer": "\n".join(digits) + f"\n#### {x}",
+    }
 
 
-def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: int, operand_max: int,
-                       operations: list[str], steps: dict[int, float], max_value: int = 10**9,
-                       direct_answer_rate: float = 0.0, digit_steps_rate: float = 0.0) -> tuple[list[dict], list[dict]]:
+def generate_synthetic(
+    seed: int,
+    num_train: int,
+    num_test: int,
+    operand_min: int,
+    operand_max: int,
+    operations: list[str],
+    steps: dict[int, float],
+    max_value: int = 10**9,
+    direct_answer_rate: float = 0.0,
+    digit_steps_rate: float = 0.0,
+    multiplier_max: int = MULTIPLIER_MAX,
+    distractor_rate: float = 0.0,
+    compare_rate: float = 0.0,
+) -> tuple[list[dict], list[dict]]:
     """Seeded GSM8K-format problems; train and test questions are unique and disjoint.
 
     A share `direct_answer_rate` of the *training* solutions states only the final answer
@@ -110,8 +180,17 @@ def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: in
                 f"data.synthetic: could only generate {len(rows)} unique problems of {target} requested; "
                 "widen the operand range or ask for fewer"
             )
-        row = _one_problem(rng, rng.choices(step_values, weights)[0], operand_min, operand_max, operations,
-                           max_value)
+        row = _one_problem(
+            rng,
+            rng.choices(step_values, weights)[0],
+            operand_min,
+            operand_max,
+            operations,
+            max_value,
+            multiplier_max,
+            distractor_rate,
+            compare_rate,
+        )
         if row is None or row["question"] in seen:
             continue
         seen.add(row["question"])
@@ -135,7 +214,7 @@ def generate_synthetic(seed: int, num_train: int, num_test: int, operand_min: in
 @dataclass
 class RawRow:
     source: str  # file or dataset name
-    line: int    # 1-based line / row number in source
+    line: int  # 1-based line / row number in source
     data: object
 
 
@@ -172,18 +251,43 @@ def stable_id(split: str, question: str) -> str:
     return f"{split}-{hashlib.sha1(question.strip().encode()).hexdigest()[:12]}"
 
 
+class InputFileError(ValueError):
+    """An input file that cannot be read as JSON lines at all; the message names the file."""
+
+
 def read_jsonl(path: str | Path) -> Iterator[RawRow]:
+    """Rows of a UTF-8 JSON-lines file (a UTF-8 BOM is allowed). A missing path, a directory, a file that is
+    not UTF-8 (UTF-16 is recognised by its BOM) or one with no row at all is an error naming the file."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: file not found")
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    if not path.is_file():
+        raise InputFileError(
+            f"{path}: is a directory, not a JSON-lines file" if path.is_dir() else f"{path}: not a regular file"
+        )
+    with path.open("rb") as f:
+        head = f.read(2)
+    if head in (b"\xff\xfe", b"\xfe\xff"):
+        raise InputFileError(f"{path}: UTF-16 encoded; save it as UTF-8 JSON lines")
+    rows = 0
+    with path.open("rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise InputFileError(
+                    f"{path}:{i}: not UTF-8 text ({e.reason} at byte {e.start + 1} of the line); "
+                    "save the file as UTF-8 JSON lines"
+                ) from None
             if not line.strip():
                 continue
+            rows += 1
             try:
                 yield RawRow(str(path), i, json.loads(line))
             except json.JSONDecodeError as e:
                 yield RawRow(str(path), i, BadRow(str(path), i, "invalid_json", str(e)))
+    if not rows:
+        raise InputFileError(f"{path}: no rows (the file is empty or holds only whitespace)")
 
 
 def parse_row(raw: RawRow, split: str, strip_annotations: bool) -> Example | BadRow:
@@ -212,8 +316,9 @@ def parse_row(raw: RawRow, split: str, strip_annotations: bool) -> Example | Bad
     return Example(stable_id(split, question), question, reasoning, final, answer, steps, raw.source, raw.line)
 
 
-def check_rows(rows: Iterable[RawRow], split: str, strip_annotations: bool,
-               exclude_questions: Optional[set[str]] = None) -> CheckResult:
+def check_rows(
+    rows: Iterable[RawRow], split: str, strip_annotations: bool, exclude_questions: Optional[set[str]] = None
+) -> CheckResult:
     """Parse and quality-check one split: fields, empties, numeric answers, duplicates, leakage."""
     out = CheckResult()
     seen: dict[str, tuple[str, int]] = {}
@@ -259,8 +364,11 @@ def completion_text(ex: Example) -> str:
 
 
 def sft_record(ex: Example, system_prompt: str) -> dict:
-    return {"id": ex.id, "prompt": messages(system_prompt, ex.question),
-            "completion": [{"role": "assistant", "content": completion_text(ex)}]}
+    return {
+        "id": ex.id,
+        "prompt": messages(system_prompt, ex.question),
+        "completion": [{"role": "assistant", "content": completion_text(ex)}],
+    }
 
 
 def rl_record(ex: Example, system_prompt: str) -> dict:
@@ -268,8 +376,14 @@ def rl_record(ex: Example, system_prompt: str) -> dict:
 
 
 def test_record(ex: Example, system_prompt: str) -> dict:
-    return {"id": ex.id, "question": ex.question, "prompt": messages(system_prompt, ex.question),
-            "ground_truth": ex.final, "answer": ex.answer, "steps": ex.steps}
+    return {
+        "id": ex.id,
+        "question": ex.question,
+        "prompt": messages(system_prompt, ex.question),
+        "ground_truth": ex.final,
+        "answer": ex.answer,
+        "steps": ex.steps,
+    }
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:

@@ -7,6 +7,7 @@ eval/<name>/predictions.jsonl.
     python -m agentrl.evaluate --stage sft
     python -m agentrl.evaluate --stage merged --quantize int8 --name merged_int8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,91 +18,47 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
-from transformers import StoppingCriteria, StoppingCriteriaList
 
+from .agent import Rollout, generate_with_tools, tool_stats
+from .answers import answers_match, extract_answer, normalize_number
 from .common import get_logger, peak_rss_mb, torch_dtype, write_json
 from .config import Params, load_params_or_exit
 from .data import load_jsonl, write_jsonl
-from .rewards import answers_match, build_rewards, extract_answer, normalize_number
+from .rewards import build_rewards
+from .tools import toolset_from_params
 
 TEST = "data/prepared/test.jsonl"
 log = get_logger("eval")
 
 
-PRUNE_SHARE = 0.5  # a generate call returns once this share of its rows has ended; they leave the batch
-
-
-class _RowsEnded(StoppingCriteria):
-    """Stops a `generate` call once `share` of its rows have produced eos since token `start`."""
-
-    def __init__(self, start: int, eos: int, share: float):
-        self.start, self.eos, self.share = start, eos, share
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        ended = (input_ids[:, self.start:] == self.eos).any(dim=1)
-        return torch.full_like(ended, bool(ended.float().mean() >= self.share))
-
-
-@torch.inference_mode()
-def generate(model, tokenizer, prompts: list[list[dict]], batch_size: int, max_new_tokens: int,
-             temperature: float = 0.0, top_p: float = 1.0, num_samples: int = 1, seed: int = 0,
-             desc: str = "generate") -> list[list[tuple[str, int]]]:
-    """Completions for chat prompts: [[(text, n_tokens)] * num_samples] per prompt, in input order.
-
-    Prompts are sorted by length and batched with left padding; greedy when temperature == 0. `generate`
-    alone keeps computing every row of a batch until its longest completion ends; here a call returns
-    once PRUNE_SHARE of its rows have ended, those rows leave the batch and its KV cache, and the rest go
-    on from the cache. Greedy output is the same as one `generate` call per batch (tested).
-    """
-    tokenizer.padding_side = "left"
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    out: list[Optional[list]] = [None] * len(texts)
-    device = next(model.parameters()).device
-    eos = tokenizer.eos_token_id
-    torch.manual_seed(seed)
-    gen_kw = dict(do_sample=temperature > 0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                  return_dict_in_generate=True)
-    if temperature > 0:
-        gen_kw.update(temperature=temperature, top_p=top_p, top_k=0)
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-        idx = order[start:start + batch_size]
-        enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
-        prompt_len = ids.shape[1]
-        rows = list(range(len(idx) * num_samples))  # row r: sample r % k of prompt idx[r // k]
-        ended: dict[int, list[int]] = {}
-        made = 0
-        while True:
-            res = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                                 max_new_tokens=max_new_tokens - made,
-                                 num_return_sequences=num_samples if cache is None else 1,
-                                 stopping_criteria=StoppingCriteriaList([_RowsEnded(ids.shape[1], eos, PRUNE_SHARE)]),
-                                 **gen_kw)
-            seqs, cache = res.sequences, res.past_key_values
-            new = seqs[:, ids.shape[1]:]
-            made += new.shape[1]
-            if mask.shape[0] != seqs.shape[0]:  # the first call expanded each prompt into its samples
-                mask = mask.repeat_interleave(num_samples, dim=0)
-            done = (new == eos).any(dim=1) | (made >= max_new_tokens)
-            for j in torch.nonzero(done).flatten().tolist():
-                ended[rows[j]] = seqs[j, prompt_len:].tolist()
-            keep = torch.nonzero(~done).flatten()
-            if keep.numel() == 0:
-                break
-            # a kept row has not ended, so all its new tokens are real: extend its mask; drop ended rows
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], new.shape[1])], dim=1)[keep]
-            ids, rows = seqs[keep], [rows[j] for j in keep.tolist()]
-            cache.batch_select_indices(keep)
-        for j, i in enumerate(idx):
-            samples = []
-            for k in range(num_samples):
-                toks = ended[j * num_samples + k]
-                n = toks.index(eos) + 1 if eos in toks else len(toks)
-                samples.append((tokenizer.decode(toks[:n], skip_special_tokens=True), n))
-            out[i] = samples
-    return out  # type: ignore[return-value]
+def generate(
+    model,
+    tokenizer,
+    prompts: list[list[dict]],
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    num_samples: int = 1,
+    seed: int = 0,
+    desc: str = "generate",
+    toolset=None,
+) -> list[list[tuple[str, int]]]:
+    """Completions as [[(text, n_tokens)] * num_samples] per prompt, through the tool loop (agent.py)."""
+    rolls = generate_with_tools(
+        model,
+        tokenizer,
+        prompts,
+        toolset,
+        max_new_tokens,
+        batch_size=batch_size,
+        temperature=temperature,
+        top_p=top_p,
+        num_samples=num_samples,
+        seed=seed,
+        desc=desc,
+    )
+    return [[(r.text, r.num_tokens) for r in rs] for rs in rolls]
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -114,9 +71,16 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, c - h), min(1.0, c + h))
 
 
-def score(rows: list[dict], samples: list[list[tuple[str, int]]], rewards: dict[str, float],
-          reward_kwargs: dict) -> tuple[dict, list[dict]]:
-    """Metrics + per-sample predictions from test rows and their generated samples (pure; unit-tested)."""
+def score(
+    rows: list[dict],
+    samples: list[list[tuple[str, int]]],
+    rewards: dict[str, float],
+    reward_kwargs: dict,
+    rollouts: Optional[list[list[Rollout]]] = None,
+) -> tuple[dict, list[dict]]:
+    """Metrics + per-sample predictions from test rows and their generated samples (pure; unit-tested).
+    With `rollouts` (the tool loop's output for the same samples) predictions record each tool call and
+    the metrics add tool_use_rate, tool_calls_per_problem and tool_error_rate (first sample per problem)."""
     funcs, weights = build_rewards(rewards, reward_kwargs)
     preds, correct_first, fmt, tokens, rew, answer_only = [], 0, 0, [], [], 0
     pass_k, majority = 0, 0
@@ -141,9 +105,23 @@ def score(rows: list[dict], samples: list[list[tuple[str, int]]], rewards: dict[
         key = str(row.get("steps", "?"))
         by_steps[key][0] += ok[0]
         by_steps[key][1] += 1
-        preds.append({"id": row["id"], "question": row["question"], "completion": comps[0], "extracted": extracted[0],
-                      "ground_truth": truth, "correct": bool(ok[0]), "reward": round(r_total[0], 6),
-                      **({"samples": comps[1:], "samples_correct": ok[1:]} if len(comps) > 1 else {})})
+        preds.append(
+            {
+                "id": row["id"],
+                "question": row["question"],
+                "completion": comps[0],
+                "extracted": extracted[0],
+                "ground_truth": truth,
+                "correct": bool(ok[0]),
+                "reward": round(r_total[0], 6),
+                **({"samples": comps[1:], "samples_correct": ok[1:]} if len(comps) > 1 else {}),
+            }
+        )
+        if rollouts is not None:
+            preds[-1]["tool_calls"] = [
+                {"expression": c["arguments"].get("expression"), "result": c["result"], "ok": c["ok"]}
+                for c in rollouts[len(preds) - 1][0].calls
+            ]
     n = len(rows)
     k = len(samples[0]) if samples else 1
     lo, hi = wilson_interval(correct_first, n)
@@ -157,39 +135,94 @@ def score(rows: list[dict], samples: list[list[tuple[str, int]]], rewards: dict[
         "answer_only_rate": answer_only / n if n else 0.0,
         "accuracy_by_steps": {s: round(c / t, 4) for s, (c, t) in sorted(by_steps.items())},
     }
+    if rollouts is not None:
+        metrics.update({k: round(v, 4) for k, v in tool_stats([r[0] for r in rollouts]).items()})
+        metrics["accuracy_with_tool"] = _rate([p["correct"] for p in preds if p["tool_calls"]])
+        metrics["accuracy_without_tool"] = _rate([p["correct"] for p in preds if not p["tool_calls"]])
     if k > 1:
         metrics[f"pass@{k}"] = pass_k / n
         metrics["majority_vote_accuracy"] = majority / n
     return metrics, preds
 
 
-def evaluate(params: Params, stage: str, name: Optional[str] = None, quantize: str = "none",
-             model=None, tokenizer=None, limit: Optional[int] = None, log_to_trackers: bool = True) -> dict:
+def _rate(flags: list[bool]) -> Optional[float]:
+    return round(sum(flags) / len(flags), 4) if flags else None
+
+
+class EmptyEvalError(ValueError):
+    """No problems to evaluate: the message names the file."""
+
+
+def evaluate(
+    params: Params,
+    stage: str,
+    name: Optional[str] = None,
+    quantize: str = "none",
+    model=None,
+    tokenizer=None,
+    limit: Optional[int] = None,
+    log_to_trackers: bool = True,
+) -> dict:
     from .modeling import load_policy
 
     name = name or stage
     e = params.eval
     rows = load_jsonl(TEST)[:limit] if limit else load_jsonl(TEST)
+    if not rows:  # an accuracy over zero problems is not a result
+        raise EmptyEvalError(f"{TEST}: no problems to evaluate (the file holds no rows); re-run the prepare stage")
     if model is None:
         dtype = torch_dtype(params.model.precision)
         model, tokenizer = load_policy(stage, dtype=dtype)
         if quantize == "int8":
-            from .export import quantize_int8
+            from .quantize import quantize_int8
 
             model = quantize_int8(model)
         if torch.cuda.is_available() and quantize != "int8":
             model = model.cuda()
     model.eval()
-    log.info("%s: %d held-out problems, batch %d, %s, max_new_tokens %d, device %s", name, len(rows), e.batch_size,
-             "greedy" if e.temperature == 0 else f"T={e.temperature}", e.max_new_tokens,
-             next(model.parameters()).device)
+    log.info(
+        "%s: %d held-out problems, batch %d, %s, max_new_tokens %d, device %s",
+        name,
+        len(rows),
+        e.batch_size,
+        "greedy" if e.temperature == 0 else f"T={e.temperature}",
+        e.max_new_tokens,
+        next(model.parameters()).device,
+    )
+    toolset = toolset_from_params(params.agent, tokenizer.eos_token)
     t0 = time.time()
-    samples = generate(model, tokenizer, [r["prompt"] for r in rows], e.batch_size, e.max_new_tokens,
-                       e.temperature, e.top_p, e.samples_per_problem, params.seed, desc=f"eval {name}")
+    rollouts = generate_with_tools(
+        model,
+        tokenizer,
+        [r["prompt"] for r in rows],
+        toolset,
+        e.max_new_tokens,
+        batch_size=e.batch_size,
+        temperature=e.temperature,
+        top_p=e.top_p,
+        num_samples=e.samples_per_problem,
+        seed=params.seed,
+        desc=f"eval {name}",
+        chat_template_kwargs=toolset.chat_template_kwargs() if toolset else None,
+    )
     elapsed = time.time() - t0
-    metrics, preds = score(rows, samples, params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
-    metrics.update({"samples_per_second": round(len(rows) / elapsed, 3), "eval_seconds": round(elapsed, 2),
-                    "stage": stage, "quantize": quantize})
+    samples = [[(r.text, r.num_tokens) for r in rs] for rs in rollouts]
+    metrics, preds = score(
+        rows,
+        samples,
+        params.grpo.rewards,
+        params.grpo.reward_kwargs.model_dump(),
+        rollouts if toolset is not None else None,
+    )
+    metrics["tools"] = ",".join(params.agent.tools) or "none"
+    metrics.update(
+        {
+            "samples_per_second": round(len(rows) / elapsed, 3),
+            "eval_seconds": round(elapsed, 2),
+            "stage": stage,
+            "quantize": quantize,
+        }
+    )
     write_jsonl(Path("eval") / name / "predictions.jsonl", preds)
     metrics["peak_rss_mb"] = peak_rss_mb()
     write_json(f"metrics/eval_{name}.json", metrics)
@@ -197,8 +230,14 @@ def evaluate(params: Params, stage: str, name: Optional[str] = None, quantize: s
         from .tracking import log_eval_to_wandb
 
         log_eval_to_wandb(params, name, metrics, preds)
-    log.info("%s: accuracy %.3f (95%% CI %.3f-%.3f), format %.3f, %.1f problems/s", name, metrics["accuracy"],
-             *metrics["accuracy_ci95"], metrics["format_rate"], metrics["samples_per_second"])
+    log.info(
+        "%s: accuracy %.3f (95%% CI %.3f-%.3f), format %.3f, %.1f problems/s",
+        name,
+        metrics["accuracy"],
+        *metrics["accuracy_ci95"],
+        metrics["format_rate"],
+        metrics["samples_per_second"],
+    )
     return metrics
 
 
@@ -208,7 +247,11 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="metrics name (default: the stage)")
     ap.add_argument("--quantize", default="none", choices=["none", "int8"])
     a = ap.parse_args()
-    evaluate(load_params_or_exit(), a.stage, a.name, a.quantize)
+    try:
+        evaluate(load_params_or_exit(), a.stage, a.name, a.quantize)
+    except EmptyEvalError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

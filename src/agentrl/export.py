@@ -6,9 +6,11 @@ verified by reloading models/merged/ and comparing its logits with the unmerged 
 fixed prompt set, and its greedy completions; the stage fails when they differ.
 
 Stage `eval_quantized` (python -m agentrl.export --quantized-eval): evaluates models/merged in full
-precision and int8 (export.quantize) through the normal evaluation code and records the accuracy
-delta and the measured speed ratio in metrics/quantize.json.
+precision and int8 (export.quantize: bitsandbytes on CUDA, torch dynamic int8 on CPU; quantize.py is
+the one int8 path, also behind `evaluate --quantize int8`) through the normal evaluation code and records
+the accuracy delta, the backend and the measured speed ratio in metrics/quantize.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +22,9 @@ import torch
 from .common import get_logger, peak_rss_mb, write_json
 from .config import Params, load_params_or_exit
 from .data import load_jsonl
+from .evaluate import evaluate, generate
 from .modeling import STAGE_DIRS, load_model, load_policy, load_tokenizer
+from .quantize import int8_backend, load_quantized
 
 log = get_logger("export")
 METRICS = "metrics/export.json"
@@ -28,24 +32,6 @@ METRICS = "metrics/export.json"
 
 class ExportVerificationError(RuntimeError):
     pass
-
-
-def quantize_int8(model):
-    """PyTorch dynamic int8 quantization of every Linear layer (CPU inference)."""
-    from torch.ao.quantization import quantize_dynamic
-
-    return quantize_dynamic(model.float().cpu(), {torch.nn.Linear}, dtype=torch.qint8)
-
-
-def load_quantized(path):
-    """int8 model: bitsandbytes 8-bit loading on CUDA (needs `pip install bitsandbytes`), torch dynamic
-    quantization on CPU."""
-    if torch.cuda.is_available():
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-        return AutoModelForCausalLM.from_pretrained(str(path), quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-                                                    device_map="auto")
-    return quantize_int8(load_model(path))
 
 
 @torch.inference_mode()
@@ -58,8 +44,6 @@ def logits(model, tokenizer, prompts: list[list[dict]]) -> torch.Tensor:
 
 
 def export(params: Params) -> dict:
-    from .evaluate import generate
-
     prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[: params.export.num_verify_prompts]]
     adapter_model, tok = load_policy("grpo", dtype=torch.float32, merge=False)
     adapter_model.eval()
@@ -95,24 +79,38 @@ def export(params: Params) -> dict:
             f"merge verification failed: max |logit diff| {diff:.3g} (tolerance {params.export.max_abs_logit_diff:g}), "
             f"greedy completions identical on {same}/{len(prompts)} prompts; see {METRICS}"
         )
-    log.info("merged model saved to %s; max |logit diff| %.2e, greedy identical %d/%d", out_dir, diff, same,
-             len(prompts))
+    log.info(
+        "merged model saved to %s; max |logit diff| %.2e, greedy identical %d/%d", out_dir, diff, same, len(prompts)
+    )
     return metrics
 
 
 def quantized_eval(params: Params) -> dict:
-    from .evaluate import evaluate
-
     full = evaluate(params, "merged", name="merged")
-    out = {"quantize": params.export.quantize, "merged_accuracy": full["accuracy"],
-           "merged_samples_per_second": full["samples_per_second"]}
+    out = {
+        "quantize": params.export.quantize,
+        "merged_accuracy": full["accuracy"],
+        "merged_samples_per_second": full["samples_per_second"],
+    }
     if params.export.quantize == "int8":
-        q = evaluate(params, "merged", name="merged_int8", quantize="int8",
-                     model=load_quantized(STAGE_DIRS["merged"]), tokenizer=load_tokenizer(STAGE_DIRS["merged"]))
-        out.update({"int8_accuracy": q["accuracy"], "accuracy_delta": q["accuracy"] - full["accuracy"],
-                    "int8_samples_per_second": q["samples_per_second"],
-                    "int8_speed_ratio": q["samples_per_second"] / full["samples_per_second"],
-                    "note": "speed ratio measured in this run on this machine; > 1 means int8 is faster"})
+        q = evaluate(
+            params,
+            "merged",
+            name="merged_int8",
+            quantize="int8",
+            model=load_quantized(STAGE_DIRS["merged"]),
+            tokenizer=load_tokenizer(STAGE_DIRS["merged"]),
+        )
+        out.update(
+            {
+                "int8_backend": int8_backend(),
+                "int8_accuracy": q["accuracy"],
+                "accuracy_delta": q["accuracy"] - full["accuracy"],
+                "int8_samples_per_second": q["samples_per_second"],
+                "int8_speed_ratio": q["samples_per_second"] / full["samples_per_second"],
+                "note": "speed ratio measured in this run on this machine; > 1 means int8 is faster",
+            }
+        )
     else:  # keep the stage's declared outputs, saying why they are empty
         write_json("metrics/eval_merged_int8.json", {"skipped": "export.quantize is none"})
         skipped = Path("eval/merged_int8")

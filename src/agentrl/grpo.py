@@ -1,26 +1,43 @@
 """Stage `grpo`: reinforcement learning with TRL's GRPOTrainer and a fresh LoRA over the SFT model.
 
 Start point: the SFT adapter is merged into the base weights (models/base + models/sft), then a new
-LoRA from grpo.lora.* is trained on top (grpo.use_lora: false trains all weights instead). The
-adapter saved in models/grpo/ therefore applies to base+SFT merged; `export` merges both.
+LoRA from grpo.lora (peft.LoraConfig arguments) is trained on top (grpo.use_lora: false trains all
+weights instead). The adapter saved in models/grpo/ therefore applies to base+SFT merged; `export`
+merges both.
 
-Every grpo.* knob reaches GRPOConfig (tests check it): its own learning rate (far below SFT's:
-HelloAgents' shared 5e-5 collapsed Qwen3-0.6B from 57.0% to 2.4% on GSM8K), kl_coef -> beta (a
-reference model is only created when beta > 0), num_generations, temperature, max_completion_length,
-loss_type, scale_rewards, epochs/max_steps, batch sizes, seed. Rewards come from the registry in
-rewards.py with the weights in grpo.rewards.
+grpo.trainer is passed to trl.GRPOConfig unchanged (tests check it): its own learning rate (far below
+SFT's: HelloAgents' shared 5e-5 collapsed Qwen3-0.6B from 57.0% to 2.4% on GSM8K), beta (a reference
+model is only created when beta > 0), num_generations, use_vllm/vllm_mode, ... The stage sets the derived
+values (config.DERIVED): the scaled learning rate, reward_weights from grpo.rewards, seed, precision,
+output and tracking. Rewards come from the registry in rewards.py with the weights in grpo.rewards.
 """
+
 from __future__ import annotations
 
 import time
 
 from .common import (
-    code_files, configure_cpu_threads, file_digest, fingerprint, get_logger, is_main_process,
-    peak_rss_mb, precision_kwargs, resolve_precision, resumable_checkpoint, stage_learning_rate, world_size,
+    checkpoint_step,
+    code_files,
+    configure_cpu_threads,
+    file_digest,
+    fingerprint,
+    get_logger,
+    is_main_process,
+    model_files_digest,
+    peak_rss_mb,
+    precision_kwargs,
+    resolve_precision,
+    resumable_checkpoint,
+    run_environment_digest,
+    stage_learning_rate,
+    torch_dtype,
+    world_size,
 )
-from .config import Params, load_params_or_exit
-from .modeling import STAGE_DIRS, save_stage_result, attach, load_model, load_tokenizer, lora_config
+from .config import Params, ParamsError, build_passthrough, load_params_or_exit, passthrough_value
+from .modeling import STAGE_DIRS, attach, load_model, load_tokenizer, lora_config, save_stage_result
 from .rewards import build_rewards
+from .tools import toolset_from_params
 
 DATA = "data/prepared/rl_train.jsonl"
 CHECKPOINTS = "checkpoints/grpo"
@@ -33,88 +50,167 @@ class BatchConfigError(ValueError):
 
 
 def check_batch(params: Params, num_processes: int | None = None) -> int:
-    """The generation batch (completions per optimizer step) must divide into groups of num_generations."""
-    g = params.grpo
+    """The generation batch (completions per optimizer step), computed as GRPOConfig does, must divide into
+    groups of num_generations. Checked before anything loads, with the number of processes of the launch."""
+    t = params.grpo.trainer
+
+    def v(name):
+        return passthrough_value("grpo.trainer", t, name)
+
     n = num_processes or world_size()
-    gen_batch = g.per_device_train_batch_size * n * g.gradient_accumulation_steps
-    if gen_batch % g.num_generations:
+    per_device, num_generations = v("per_device_train_batch_size"), v("num_generations")
+    if v("generation_batch_size") is not None:
+        gen_batch = v("generation_batch_size")
+        how = f"generation_batch_size ({gen_batch})"
+    else:
+        steps_key = "steps_per_generation" if v("steps_per_generation") is not None else "gradient_accumulation_steps"
+        gen_batch = per_device * n * v(steps_key)
+        how = (
+            f"per_device_train_batch_size ({per_device}) x processes ({n}) x {steps_key} ({v(steps_key)}) = {gen_batch}"
+        )
+    if gen_batch % num_generations:
         raise BatchConfigError(
-            f"grpo: the generation batch per_device_train_batch_size ({g.per_device_train_batch_size}) x processes "
-            f"({n}) x gradient_accumulation_steps ({g.gradient_accumulation_steps}) = {gen_batch} completions must be "
-            f"divisible by grpo.num_generations ({g.num_generations}); e.g. set per_device_train_batch_size to a "
-            f"multiple of {g.num_generations}"
+            f"grpo.trainer: the generation batch {how} completions must be divisible by "
+            f"grpo.trainer.num_generations ({num_generations}); e.g. set per_device_train_batch_size to a multiple "
+            f"of {num_generations}"
         )
     return gen_batch
 
 
 def learning_rate(params: Params) -> float:
-    return stage_learning_rate(params.grpo, params.distributed)
+    """grpo.trainer.learning_rate (the reference) after distributed.scale_lr for the effective batch."""
+    return stage_learning_rate("grpo", params.grpo.trainer, params.distributed)
 
 
 def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs):
-    """Every grpo.* knob -> TRL's GRPOConfig (tests check that none is dropped)."""
-    from trl import GRPOConfig
-
+    """trl.GRPOConfig(**grpo.trainer) plus what the stage derives (config.DERIVED): output_dir, the scaled
+    learning rate, reward_weights from grpo.rewards, seed/data_seed, precision flags, tracking arguments."""
     g = params.grpo
     _, weights = build_rewards(g.rewards, g.reward_kwargs.model_dump())
-    return GRPOConfig(
+    return build_passthrough(
+        "grpo.trainer",
+        {**g.trainer, "learning_rate": learning_rate(params)},  # the reference lr, scaled
         output_dir=output_dir,
-        learning_rate=learning_rate(params),
-        beta=g.kl_coef,
-        num_generations=g.num_generations,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=0,
-        max_completion_length=g.max_completion_length,
-        loss_type=g.loss_type,
-        scale_rewards=g.scale_rewards,
         reward_weights=weights,
-        num_train_epochs=g.num_epochs,
-        max_steps=g.max_steps,
-        per_device_train_batch_size=g.per_device_train_batch_size,
-        gradient_accumulation_steps=g.gradient_accumulation_steps,
-        warmup_steps=g.warmup_ratio,
-        lr_scheduler_type=g.lr_scheduler_type,
-        weight_decay=g.weight_decay,
-        max_grad_norm=g.max_grad_norm,
-        gradient_checkpointing=g.gradient_checkpointing,
-        logging_steps=g.logging_steps,
-        save_strategy="steps",
-        save_steps=g.save_steps,
-        save_total_limit=g.save_total_limit,
         seed=params.seed,
         data_seed=params.seed,
-        log_completions=False,
-        dataloader_num_workers=0,
         **precision_kwargs(params.model.precision),
         **tracking_kwargs,
     )
 
 
+def check_generation(args) -> None:
+    """TRL's vLLM rollouts (grpo.trainer.use_vllm, vllm_mode colocate | server) need CUDA and vllm: say so
+    before anything loads instead of failing inside the trainer."""
+    if not args.use_vllm:
+        return
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ParamsError("grpo.trainer.use_vllm: vLLM generation needs a CUDA GPU (it is off on CPU); set it to false")
+    if importlib.util.find_spec("vllm") is None:
+        raise ParamsError("grpo.trainer.use_vllm: vllm is not installed (pip install vllm), or set it to false")
+
+
 def peft_config(params: Params):
-    return lora_config(params.grpo.lora) if params.grpo.use_lora else None
+    return lora_config(params.grpo.lora, "grpo.lora") if params.grpo.use_lora else None
 
 
-def starting_model():
-    """models/base with the SFT result merged in: the policy GRPO starts from."""
-    return attach(load_model(STAGE_DIRS["base"]), STAGE_DIRS["sft"], merge=True)
+def starting_model(params: Params | None = None):
+    """models/base with the SFT result merged in: the policy GRPO starts from, in the training dtype
+    (model.precision) with model.attn_implementation when params are given."""
+    kw = (
+        {}
+        if params is None
+        else {"dtype": torch_dtype(params.model.precision), "attn_implementation": params.model.attn_implementation}
+    )
+    return attach(load_model(STAGE_DIRS["base"], **kw), STAGE_DIRS["sft"], merge=True)
 
 
-def time_rollouts(trainer) -> list[float]:
-    """Wrap the trainer's rollout generation with a timer; the returned one-element list accumulates the
-    seconds spent generating (the generation share of a step; also used by scripts/bench.py)."""
-    seconds = [0.0]
-    generate_once = trainer._generate_single_turn
+class ToolRollout:
+    """TRL `rollout_func`: the trainer's sampling settings, generation through the tool loop
+    (agent.generate_with_tools, the same loop evaluation and the server run). Returns per completion the
+    prompt and completion ids, `env_mask` (0 on tool-inserted tokens: TRL turns it into the tool_mask that
+    keeps them out of the loss) and the tool calls/errors, which reach reward functions as keyword arguments
+    `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py)."""
 
-    def timed_generate(*a, **kw):
+    def __init__(self, toolset):
+        self.toolset = toolset
+        self.seconds = 0.0
+        self.completions = 0
+        self.tokens = 0
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        import torch
+        from trl.models import unwrap_model_for_generation
+
+        from .agent import generate_with_tools, tool_stats
+
         t = time.perf_counter()
-        try:
-            return generate_once(*a, **kw)
-        finally:
-            seconds[0] += time.perf_counter() - t
+        extra = {
+            k: v
+            for k, v in (("min_p", trainer.min_p), ("repetition_penalty", trainer.repetition_penalty))
+            if v is not None
+        }
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                generation_kwargs=getattr(trainer, "generation_kwargs", None),
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as model,
+            torch.no_grad(),
+        ):
+            rolls = [
+                r[0]
+                for r in generate_with_tools(
+                    model,
+                    trainer.processing_class,
+                    prompts,
+                    self.toolset,
+                    trainer.max_completion_length,
+                    batch_size=len(prompts),
+                    temperature=trainer.temperature,
+                    top_p=trainer.top_p,
+                    top_k=trainer.top_k or 0,
+                    **extra,
+                )
+            ]
+        self.seconds += time.perf_counter() - t
+        self.completions += len(rolls)
+        self.tokens += sum(sum(r.env_mask) for r in rolls)
+        if self.toolset is not None and hasattr(trainer, "_metrics"):  # tool-use curves next to TRL's own
+            mode = "train" if trainer.model.training else "eval"
+            for k, v in tool_stats(rolls).items():
+                trainer._metrics[mode][f"tools/{k}"].append(v)
+        return {
+            "prompt_ids": [r.prompt_ids for r in rolls],
+            "completion_ids": [r.completion_ids for r in rolls],
+            "logprobs": None,
+            "env_mask": [r.env_mask for r in rolls],
+            "tool_calls": [len(r.calls) for r in rolls],
+            "tool_errors": [r.tool_errors for r in rolls],
+        }
 
-    trainer._generate_single_turn = timed_generate
-    return seconds
+
+def rollout_plan(params: Params, args, tok):
+    """(rollout_func, tools) for GRPOTrainer. Inline tools and plain sampling run through ToolRollout (the
+    project's tool loop); agent.format chat hands the tool functions to TRL's own multi-turn loop
+    (GRPOTrainer(tools=...)); TRL's vLLM generation is used when grpo asks for it and no inline tool is set."""
+    toolset = toolset_from_params(params.agent, tok.eos_token)
+    if toolset is not None and params.agent.format == "chat":
+        return None, list(toolset.tools.values())
+    if getattr(args, "use_vllm", False):
+        if toolset is not None:
+            raise BatchConfigError(
+                "agent.format 'inline' runs the project's own tool loop (transformers generate); "
+                "TRL's use_vllm needs agent.tools: [] or agent.format: chat"
+            )
+        return None, None
+    return ToolRollout(toolset), None
 
 
 def _series(history: list[dict], key: str) -> list[float]:
@@ -133,25 +229,55 @@ def train(params: Params) -> dict:
     configure_cpu_threads()
     g = params.grpo
     funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
-    tok = load_tokenizer(STAGE_DIRS["sft"])
-    model = starting_model()
-    ds = load_dataset("json", data_files=DATA, split="train")
+    # the TRL config first: it stops on a bad grpo.trainer value before any work, and it registers the
+    # DeepSpeed config, so the model below is created ZeRO-3-partitioned (zero3_init_flag) in its target dtype
     track = tracking.setup(params, "grpo")
     callbacks = track.pop("callbacks")
     args = grpo_config(params, **track)
-    log.info("%d prompts; precision %s; %d completions per step (%d prompts x %d generations); lr %.3g; beta %g; "
-             "rewards %s; lora=%s", len(ds), resolve_precision(params.model.precision), gen_batch,
-             gen_batch // g.num_generations, g.num_generations, args.learning_rate, args.beta, g.rewards, g.use_lora)
-    key = fingerprint(params.seed, g.model_dump(), file_digest(DATA), *(file_digest(p) for p in code_files()),
-                      file_digest(STAGE_DIRS["base"] / "model.safetensors"),
-                      *(file_digest(p) for p in sorted(STAGE_DIRS["sft"].glob("*.safetensors"))))
+    check_generation(args)
+    tok = load_tokenizer(STAGE_DIRS["sft"])
+    model = starting_model(params)
+    ds = load_dataset("json", data_files=DATA, split="train")
+    log.info(
+        "%d prompts; precision %s; %d completions per step (%d prompts x %d generations); lr %.3g; beta %g; "
+        "rewards %s; lora=%s; vllm=%s",
+        len(ds),
+        resolve_precision(params.model.precision),
+        gen_batch,
+        gen_batch // args.num_generations,
+        args.num_generations,
+        args.learning_rate,
+        args.beta,
+        g.rewards,
+        g.use_lora,
+        args.use_vllm and args.vllm_mode,
+    )
+    key = fingerprint(
+        params.seed,
+        g.model_dump(),
+        params.agent.model_dump(),
+        file_digest(DATA),
+        *(file_digest(p) for p in code_files()),
+        model_files_digest(STAGE_DIRS["base"]),
+        model_files_digest(STAGE_DIRS["sft"]),
+        run_environment_digest(params),
+    )
     with args.main_process_first(local=False, desc="checkpoint fingerprint"):  # rank 0 clears a stale dir first
         resume = resumable_checkpoint(CHECKPOINTS, key)
     if resume:
         log.info("resuming from %s", resume)
-    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds, processing_class=tok,
-                          peft_config=peft_config(params), callbacks=callbacks)
-    gen_seconds = time_rollouts(trainer)
+    rollout, tools = rollout_plan(params, args, tok)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=peft_config(params),
+        callbacks=callbacks,
+        rollout_func=rollout,
+        tools=tools,
+    )
     t0 = time.time()
     out = trainer.train(resume_from_checkpoint=resume)
     runtime = time.time() - t0
@@ -169,13 +295,19 @@ def train(params: Params) -> dict:
         "completion_length_last": lengths[-1] if lengths else None,
         "steps": out.global_step,
         "runtime_s": round(runtime, 2),
-        "seconds_per_step": round(runtime / max(1, out.global_step), 4),
+        "steps_this_run": out.global_step - checkpoint_step(resume),  # a resumed run starts at its checkpoint
+        "seconds_per_step": round(runtime / max(1, out.global_step - checkpoint_step(resume)), 4),
         "completions_per_step": gen_batch,
-        "generation_seconds": round(gen_seconds[0], 2),
-        "generation_seconds_share": round(gen_seconds[0] / runtime, 4) if runtime else None,
-        # tokens estimated from the logged mean completion length x completions generated
-        "rollout_tokens_per_second": round(sum(lengths) / len(lengths) * gen_batch * out.global_step
-                                           / gen_seconds[0], 1) if lengths and gen_seconds[0] else None,
+        # measured around the rollout function (None when TRL generates itself: vLLM or agent.format chat)
+        "generation_seconds": round(rollout.seconds, 2) if rollout else None,
+        "generation_seconds_share": round(rollout.seconds / runtime, 4) if rollout and runtime else None,
+        "rollout_tokens_per_second": round(rollout.tokens / rollout.seconds, 1)
+        if rollout and rollout.seconds
+        else None,
+        "tool_use_rate_first": (_series(hist, "tools/tool_use_rate") or [None])[0],
+        "tool_use_rate_last": (_series(hist, "tools/tool_use_rate") or [None])[-1],
+        "tool_calls_per_completion_last": (_series(hist, "tools/tool_calls_per_problem") or [None])[-1],
+        "tool_error_rate_last": (_series(hist, "tools/tool_error_rate") or [None])[-1],
         "learning_rate": args.learning_rate,
         "beta": args.beta,
         "resumed_from": resume,
@@ -185,8 +317,14 @@ def train(params: Params) -> dict:
     metrics["peak_rss_mb"] = peak_rss_mb()
     save_stage_result(trainer, tok, STAGE_DIRS["grpo"], METRICS, metrics)
     if is_main_process():
-        log.info("reward %.3f -> %.3f over %d steps (%.1fs); saved %s", metrics["reward_mean_first_20pct"] or 0,
-                 metrics["reward_mean_last_20pct"] or 0, metrics["steps"], runtime, STAGE_DIRS["grpo"])
+        log.info(
+            "reward %.3f -> %.3f over %d steps (%.1fs); saved %s",
+            metrics["reward_mean_first_20pct"] or 0,
+            metrics["reward_mean_last_20pct"] or 0,
+            metrics["steps"],
+            runtime,
+            STAGE_DIRS["grpo"],
+        )
     return metrics
 
 
@@ -194,7 +332,7 @@ def main() -> None:
     params = load_params_or_exit()
     try:
         train(params)
-    except BatchConfigError as e:
+    except (BatchConfigError, ParamsError) as e:  # ParamsError: a value GRPOConfig rejects, named by section
         log.error("%s", e)
         raise SystemExit(2) from None
 

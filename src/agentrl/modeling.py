@@ -8,6 +8,7 @@ Stage chain on disk:
                   LoRA is trained; see README)
   models/merged/  base+SFT+GRPO merged, plain transformers model
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Iterable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from .config import LoraParams, TinyModelParams
+from .config import TinyModelParams, build_passthrough
 
 MODELS = Path("models")
 STAGE_DIRS = {"base": MODELS / "base", "sft": MODELS / "sft", "grpo": MODELS / "grpo", "merged": MODELS / "merged"}
@@ -36,19 +37,27 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>"],
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
@@ -59,11 +68,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, p: TinyModelParams, seed: int) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads, head_dim=p.head_dim,
-        max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        head_dim=p.head_dim,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         rope_theta=10000.0,
     )
     model = Qwen3ForCausalLM(cfg)
@@ -81,9 +97,52 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, revision: Optional[str] = None):
+def bake_chat_template_kwargs(tokenizer, kwargs: dict):
+    """Fix chat-template variables (model.chat_template_kwargs, e.g. Qwen3's enable_thinking: false) inside
+    the template itself, so every apply_chat_template call (SFT, GRPO, evaluation, serving) renders alike."""
+    import json
+
+    if not kwargs:
+        return tokenizer
+    if not tokenizer.chat_template:
+        raise ValueError("model.chat_template_kwargs is set but the tokenizer has no chat template")
+    literal = {True: "true", False: "false", None: "none"}
+    lines = "".join(
+        f"{{%- set {k} = {literal[v] if v is None or isinstance(v, bool) else json.dumps(v)} %}}"
+        for k, v in kwargs.items()
+    )
+    tokenizer.chat_template = lines + tokenizer.chat_template
+    return tokenizer
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    revision: Optional[str] = None,
+    attn_implementation: Optional[str] = None,
+):
+    """from_pretrained straight into `dtype` (no fp32 load then cast). Training stages call it after their
+    TRL config exists, so under DeepSpeed ZeRO-3 (zero3_init_flag) the weights are partitioned as they load.
+    attn_implementation: model.attn_implementation (None: transformers' default)."""
     kw = {"revision": revision} if revision else {}
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kw)
+
+
+def _zero3_gathered(model):
+    """Under DeepSpeed ZeRO-3 (partitioned at load) the full weights are gathered for an in-place edit such
+    as a LoRA merge, and re-partitioned afterwards; otherwise a no-op."""
+    from contextlib import nullcontext
+
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not (is_deepspeed_zero3_enabled() and partitioned):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
 
 
 def is_adapter(path: str | Path) -> bool:
@@ -96,8 +155,11 @@ def attach(model, path: str | Path, merge: bool):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(path))
-        return model.merge_and_unload() if merge else model
-    return load_model(path, dtype=model.dtype)
+        if not merge:
+            return model
+        with _zero3_gathered(model):
+            return model.merge_and_unload()
+    return load_model(path, dtype=model.dtype, attn_implementation=model.config._attn_implementation)
 
 
 def load_policy(stage: str, dtype: torch.dtype = torch.float32, merge: bool = True):
@@ -108,8 +170,10 @@ def load_policy(stage: str, dtype: torch.dtype = torch.float32, merge: bool = Tr
     for needed in chains[stage]:
         if not (Path(STAGE_DIRS[needed]) / "config.json").exists() and not is_adapter(STAGE_DIRS[needed]):
             producer = "export" if needed == "merged" else needed
-            raise FileNotFoundError(f"{STAGE_DIRS[needed]} holds no model or adapter: run the '{producer}' stage "
-                                    f"first (dvc repro {producer})")
+            raise FileNotFoundError(
+                f"{STAGE_DIRS[needed]} holds no model or adapter: run the '{producer}' stage "
+                f"first (dvc repro {producer})"
+            )
     if stage in ("base", "merged"):
         return load_model(STAGE_DIRS[stage], dtype), load_tokenizer(STAGE_DIRS[stage])
     model = load_model(STAGE_DIRS["base"], dtype)
@@ -119,11 +183,9 @@ def load_policy(stage: str, dtype: torch.dtype = torch.float32, merge: bool = Tr
     return model, load_tokenizer(STAGE_DIRS[stage])
 
 
-def lora_config(p: LoraParams):
-    from peft import LoraConfig
-
-    return LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=list(p.target_modules),
-                      bias="none", task_type="CAUSAL_LM")
+def lora_config(lora: dict, path: str):
+    """peft.LoraConfig(**<stage>.lora) with task_type CAUSAL_LM (the one value the stage sets)."""
+    return build_passthrough(path, lora)
 
 
 def save_stage_result(trainer, tokenizer, out_dir: Path, metrics_path: str, metrics: dict) -> None:

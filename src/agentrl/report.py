@@ -4,6 +4,7 @@ Plots: SFT loss, GRPO reward and KL, accuracy base -> SFT -> GRPO with 95% inter
 problem difficulty (reasoning steps), plus example completions before/after GRPO. Works from the
 files the pipeline writes (metrics/, dvclive/, eval/); missing inputs are listed, not hidden.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 STAGES = ("base", "sft", "grpo")
 
@@ -62,8 +63,9 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(xs, ys, label="reward mean")
         if len(sd) == len(ys):
-            ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2,
-                            label="± std")
+            ax.fill_between(
+                xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2, label="± std"
+            )
         ax.set(xlabel="optimizer step", ylabel="reward", title="GRPO reward")
         ax.legend()
         save(fig, "grpo_reward.png", "GRPO reward per step")
@@ -84,8 +86,11 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
         save(fig, "grpo_kl_length.png", "GRPO KL and completion length")
 
     # 4. accuracy per stage with 95% CI, 5. accuracy by difficulty
-    evals = {s: json.loads((root / f"metrics/eval_{s}.json").read_text()) for s in STAGES
-             if (root / f"metrics/eval_{s}.json").exists()}
+    evals = {
+        s: json.loads((root / f"metrics/eval_{s}.json").read_text())
+        for s in STAGES
+        if (root / f"metrics/eval_{s}.json").exists()
+    }
     missing += [f"metrics/eval_{s}.json" for s in STAGES if s not in evals]
     if evals:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -119,19 +124,36 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
         broke = [(sft[g["id"]], g) for g in grpo if g["id"] in sft and not g["correct"] and sft[g["id"]]["correct"]]
         examples = [("fixed by GRPO", a, b) for a, b in fixed[:3]] + [("broken by GRPO", a, b) for a, b in broke[:2]]
 
-    compare = json.loads((root / "metrics/compare.json").read_text()) if (root / "metrics/compare.json").exists() else {}
+    compare = (
+        json.loads((root / "metrics/compare.json").read_text()) if (root / "metrics/compare.json").exists() else {}
+    )
     md = ["# agentrl report", ""]
     if compare:
-        md += [f"Accuracy: base {compare['base_accuracy']:.1%} → SFT {compare['sft_accuracy']:.1%} → "
-               f"GRPO {compare['grpo_accuracy']:.1%}; GRPO − SFT = {compare['grpo_minus_sft']:+.1%} "
-               f"(95% CI {compare['ci95'][0]:+.1%} … {compare['ci95'][1]:+.1%}, exact McNemar p = {compare['p_value']:.2g}).", ""]
+        md += [
+            f"Accuracy: base {compare['base_accuracy']:.1%} → SFT {compare['sft_accuracy']:.1%} → "
+            f"GRPO {compare['grpo_accuracy']:.1%}; GRPO − SFT = {compare['grpo_minus_sft']:+.1%} "
+            f"(95% CI {compare['ci95'][0]:+.1%} … {compare['ci95'][1]:+.1%}, "
+            f"exact McNemar p = {compare['p_value']:.2g}).",
+            "",
+        ]
     for name, title in figures:
         md += [f"## {title}", "", f"![{title}]({name})", ""]
     if examples:
         md += ["## Example completions before/after GRPO", ""]
         for kind, a, b in examples:
-            md += [f"**{kind}** — {a['question']} (answer {a['ground_truth']})", "", "SFT:", "```", a["completion"], "```",
-                   "GRPO:", "```", b["completion"], "```", ""]
+            md += [
+                f"**{kind}** — {a['question']} (answer {a['ground_truth']})",
+                "",
+                "SFT:",
+                "```",
+                a["completion"],
+                "```",
+                "GRPO:",
+                "```",
+                b["completion"],
+                "```",
+                "",
+            ]
     if missing:
         md += ["## Missing inputs", ""] + [f"- `{m}`" for m in missing] + [""]
     (out / "report.md").write_text("\n".join(md))
@@ -148,12 +170,15 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
         elif line.startswith("## "):
             body.append(f"<h2>{html.escape(line[3:])}</h2>")
         elif line.startswith("!["):
-            name = line[line.index("(") + 1:-1]
+            name = line[line.index("(") + 1 : -1]
             body.append(f'<img src="{html.escape(name)}" alt="{html.escape(name)}" style="max-width:720px">')
         elif line:
             body.append(f"<p>{html.escape(line)}</p>")
-    page = ("<!doctype html><html><head><meta charset='utf-8'><title>agentrl report</title></head><body>"
-            + "\n".join(body) + "</body></html>")
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>agentrl report</title></head><body>"
+        + "\n".join(body)
+        + "</body></html>"
+    )
     (out / "report.html").write_text(page)
     return {"figures": [f for f, _ in figures], "missing": missing, "examples": len(examples)}
 
@@ -163,8 +188,10 @@ def main() -> None:
     ap.add_argument("--out", default="reports")
     a = ap.parse_args()
     r = build(Path("."), Path(a.out))
-    print(f"wrote {a.out}/report.html and report.md with {len(r['figures'])} plots"
-          + (f"; missing inputs: {', '.join(r['missing'])}" if r["missing"] else ""))
+    print(
+        f"wrote {a.out}/report.html and report.md with {len(r['figures'])} plots"
+        + (f"; missing inputs: {', '.join(r['missing'])}" if r["missing"] else "")
+    )
 
 
 if __name__ == "__main__":

@@ -1,69 +1,17 @@
-"""Answer extraction and reward functions: one registry, TRL's reward signature.
+"""Reward functions: one registry, TRL's reward signature.
 
-`extract_answer` is the single parser used by evaluation, rewards and the service. Reward
+Answers are parsed by `answers.extract_answer`, the single parser shared with evaluation and the service. Reward
 functions take `completions` (strings or chat messages) plus dataset columns as keyword
 arguments (`ground_truth`) and return one float per completion, as `GRPOTrainer` expects.
 """
+
 from __future__ import annotations
 
 import importlib
-import math
 import re
 from typing import Callable, Optional
 
-NUMBER = r"-?\$?\s*-?\d[\d,]*(?:\.\d+)?"
-_HASH = re.compile(r"####\s*(" + NUMBER + ")")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*(" + NUMBER + ")", re.IGNORECASE)
-_BOXED = re.compile(r"\\boxed\{\s*(" + NUMBER + r")\s*\}")
-_CALC = re.compile(r"<<[^<>]*>>")
-
-
-def normalize_number(text: str) -> Optional[str]:
-    """'1,000' -> '1000', '$5' -> '5', '2.50' -> '2.5', '7.00' -> '7'. None if not a number."""
-    if text is None:
-        return None
-    s = str(text).strip().replace(",", "").replace("$", "").replace(" ", "")
-    s = s.rstrip(".")
-    if not re.fullmatch(r"-?\d+(?:\.\d+)?", s):
-        return None
-    neg = s.startswith("-")
-    int_part, _, frac = s.lstrip("-").partition(".")
-    frac = frac.rstrip("0")
-    out = (int_part.lstrip("0") or "0") + ("." + frac if frac else "")
-    return "-" + out if neg and out != "0" else out
-
-
-def find_answer(text: str) -> tuple[Optional[str], Optional[tuple[int, int]]]:
-    """(normalised final answer, its character span in `text`), or (None, None).
-
-    Order: the last `#### N`, then the last `answer is N`, then the last `\\boxed{N}`.
-    """
-    if not isinstance(text, str):
-        return None, None
-    for pattern in (_HASH, _ANSWER_IS, _BOXED):
-        matches = list(pattern.finditer(text))
-        if matches:
-            return normalize_number(matches[-1].group(1)), matches[-1].span(1)
-    return None, None
-
-
-def extract_answer(text: str) -> Optional[str]:
-    """Final answer of a completion, normalised; None if it has no parseable answer line."""
-    return find_answer(text)[0]
-
-
-def answers_match(pred: Optional[str], truth: Optional[str], rel_tol: float = 1e-6) -> bool:
-    if pred is None or truth is None:
-        return False
-    try:
-        a, b = float(pred), float(truth)
-    except ValueError:
-        return False
-    return math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-9)
-
-
-def strip_calculator_annotations(text: str) -> str:
-    return _CALC.sub("", text)
+from .answers import answers_match, extract_answer, normalize_number
 
 
 def _text(completion) -> str:
@@ -85,10 +33,12 @@ def count_steps(text: str) -> int:
 # ------------------------------------------------------------------------------------ rewards
 def accuracy(completions, ground_truth, **kwargs) -> list[float]:
     """1.0 when the extracted answer equals the ground truth numerically, else 0.0."""
-    return [float(answers_match(extract_answer(_text(c)), normalize_number(g))) for c, g in zip(completions, ground_truth)]
+    return [
+        float(answers_match(extract_answer(_text(c)), normalize_number(g))) for c, g in zip(completions, ground_truth)
+    ]
 
 
-def format(completions, **kwargs) -> list[float]:  # noqa: A001 - registry name
+def format(completions, **kwargs) -> list[float]:  # registry name
     """1.0 when the completion has a parseable answer line, else 0.0."""
     return [float(extract_answer(_text(c)) is not None) for c in completions]
 
@@ -149,7 +99,9 @@ def get_reward(name: str, reward_kwargs: Optional[dict] = None) -> Callable:
     return wrapped
 
 
-def build_rewards(rewards: dict[str, float], reward_kwargs: Optional[dict] = None) -> tuple[list[Callable], list[float]]:
+def build_rewards(
+    rewards: dict[str, float], reward_kwargs: Optional[dict] = None
+) -> tuple[list[Callable], list[float]]:
     funcs, weights = [], []
     for name, weight in rewards.items():
         funcs.append(get_reward(name, reward_kwargs))

@@ -1,0 +1,104 @@
+"""Apply a params recipe (configs/recipes/*.yaml) as one DVC experiment.
+
+    python scripts/recipe.py run configs/recipes/qwen3-0.6b-gsm8k.yaml [-- <dvc exp run args>]
+    python scripts/recipe.py show configs/recipes/qwen3-0.6b-gsm8k.yaml      # the -S arguments only
+
+A recipe is a params override: every leaf (a non-mapping value) replaces that key of params.yaml. `run`
+first applies the overrides to a scratch copy of params.yaml with DVC's own mechanism and validates the
+result (a typo in the recipe stops here, naming the key), then runs `dvc exp run -S ++key=value ...`
+(`++`: set the key, adding it when params.yaml does not have it), so the experiment records the params.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out += leaves(value, path)
+        else:
+            out.append((path, value))
+    return out
+
+
+def hydra_value(v) -> str:
+    """A value in Hydra's override grammar (what `dvc exp run -S` parses)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        if "${" in v:
+            raise ValueError(f"{v!r}: '${{' would be read as an interpolation by dvc exp run -S")
+        if "'" not in v:
+            return "'" + v.replace("\\", "\\\\") + "'"
+        if '"' not in v:
+            return '"' + v.replace("\\", "\\\\") + '"'
+        raise ValueError(f"{v!r}: a string with both quote kinds cannot be passed through -S")
+    if isinstance(v, list):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    raise ValueError(f"{v!r}: unsupported value type {type(v).__name__}")
+
+
+def overrides(recipe: str | Path) -> list[str]:
+    """`++key=value` per leaf of the recipe."""
+    from agentrl.config import load_yaml
+
+    tree = load_yaml(recipe)
+    if not isinstance(tree, dict) or not tree:
+        raise SystemExit(f"{recipe}: expected a mapping of params sections")
+    return [f"++{k}={hydra_value(v)}" for k, v in leaves(tree)]
+
+
+def apply(params_file: str | Path, recipe: str | Path) -> None:
+    """Apply the recipe to `params_file` in place, exactly as `dvc exp run -S` would."""
+    from dvc.utils.hydra import apply_overrides
+
+    apply_overrides(str(params_file), overrides(recipe))
+
+
+def check(recipe: str | Path, params_file: str | Path = "params.yaml") -> None:
+    from agentrl.config import ParamsError, load_params
+
+    with tempfile.TemporaryDirectory() as d:
+        scratch = Path(d) / "params.yaml"
+        shutil.copy(params_file, scratch)
+        apply(scratch, recipe)
+        try:
+            load_params(scratch)
+        except ParamsError as e:
+            raise SystemExit(f"{recipe}: the overridden params are invalid:\n{e}") from None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["run", "show"])
+    ap.add_argument("recipe")
+    ap.add_argument("dvc_args", nargs=argparse.REMAINDER, help="after --: extra `dvc exp run` arguments")
+    a = ap.parse_args()
+    args = [x for o in overrides(a.recipe) for x in ("-S", o)]
+    if a.command == "show":
+        print("\n".join(args[1::2]))
+        return
+    check(a.recipe)
+    extra = a.dvc_args[1:] if a.dvc_args[:1] == ["--"] else a.dvc_args
+    cmd = ["dvc", "exp", "run", *args, *extra]
+    print(" ".join(cmd), flush=True)
+    sys.exit(subprocess.call(cmd))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""`make push` / `make pull`: share the pipeline's results through a DVC remote.
+
+The DVC-cached outputs (data/prepared, models/*, eval/*, dvclive/*, models/card) go to the DVC remote;
+the metrics files (`cache: false`), dvc.lock and params.yaml travel with git. A colleague who clones the
+repository and runs `make pull` gets the exact models and outputs of the pushed commit: `dvc status` is
+clean and `dvc repro` runs no stage. checkpoints/ is not a DVC output and is never shared.
+
+Remote: the default remote of .dvc/config (`local` -> ~/.cache/agentrl/dvc-remote), or the one-off
+DVC_REMOTE (a directory or a URL such as s3://bucket/agentrl, gs://..., ssh://host/path; those need
+`make setup EXTRAS=s3|gs|ssh`). DVC_REMOTE is applied for this command only, never written to a config file.
+
+Experiments: where the git remote GIT_REMOTE (default origin) exists, push/pull also run
+`dvc exp push/pull <git remote>` for the experiments of the current commit (their git refs to the git
+remote, their cached outputs to the same DVC remote). Without a git remote they are skipped, with a line
+saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+REMOTE_ENV = "DVC_REMOTE"
+GIT_REMOTE_ENV = "GIT_REMOTE"
+OVERRIDE = "cli"  # the name the one-off DVC_REMOTE gets inside this process
+
+
+class ShareError(RuntimeError):
+    pass
+
+
+def remote_override(url: Optional[str]) -> Optional[dict]:
+    """DVC config merged over the repository's for this process: DVC_REMOTE becomes the default remote."""
+    if not url:
+        return None
+    if not re.match(r"^[A-Za-z][\w+.-]*://", url):  # a local directory
+        url = str(Path(url).expanduser().resolve())
+    return {"remote": {OVERRIDE: {"url": url}}, "core": {"remote": OVERRIDE}}
+
+
+def open_repo(url: Optional[str]):
+    from dvc.repo import Repo
+
+    repo = Repo(".", config=remote_override(url))
+    name = repo.config["core"].get("remote")
+    if not name:
+        raise ShareError(
+            f"no DVC remote: .dvc/config names no default remote; set {REMOTE_ENV}=<directory or URL> "
+            "(README: Sharing results)"
+        )
+    if name not in repo.config["remote"]:
+        raise ShareError(f"the default DVC remote {name!r} is not defined in .dvc/config")
+    return repo, name, repo.config["remote"][name]["url"]
+
+
+def git_remote_url(name: str) -> Optional[str]:
+    r = subprocess.run(["git", "remote", "get-url", name], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def uncommitted_results() -> list[str]:
+    """dvc.lock, params.yaml, dvc.yaml and metrics/ differing from git HEAD: a clone would not get them."""
+    r = subprocess.run(
+        ["git", "status", "--porcelain", "--", "dvc.lock", "dvc.yaml", "params.yaml", "metrics"],
+        capture_output=True,
+        text=True,
+    )
+    return [line[3:] for line in r.stdout.splitlines() if line.strip()]
+
+
+class _MissingCache(logging.Handler):
+    """DVC only warns when an output of dvc.lock is in neither the local cache nor the remote, and pushes the
+    rest; a push that leaves the remote without an output a clone needs is an error here."""
+
+    MARK = "do not exist neither locally nor on remote"
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.missing: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if self.MARK in msg:
+            self.missing += [line for line in msg.splitlines()[1:] if line.strip()]
+
+
+def push(url: Optional[str], git_remote: str) -> dict:
+    repo, name, where = open_repo(url)
+    with repo:
+        t = time.perf_counter()
+        watch = _MissingCache()
+        dvc_log = logging.getLogger()  # dvc_data.index.fetch (a logger outside "dvc") emits it
+        dvc_log.addHandler(watch)
+        try:
+            pushed = repo.push()
+        finally:
+            dvc_log.removeHandler(watch)
+        if watch.missing:
+            raise ShareError(
+                f"{len(watch.missing)} cached outputs of dvc.lock are in neither the local cache nor remote "
+                f"{name!r} ({where}), so a clone could not pull them; run `dvc repro` (or `dvc pull` from "
+                f"the remote that has them) before pushing: {'; '.join(watch.missing[:5])}"
+            )
+        out = {"remote": name, "url": where, "pushed": pushed, "seconds": round(time.perf_counter() - t, 2)}
+        print(f"dvc push: {pushed} files to remote {name!r} ({where}) in {out['seconds']} s")
+        pending = uncommitted_results()
+        if pending:
+            print(
+                f"note: {', '.join(pending)} differ from the git commit; commit them (git) so that a clone pulls "
+                "these versions",
+                file=sys.stderr,
+            )
+        out["experiments"] = _experiments(repo, "push", git_remote)
+    return out
+
+
+def pull(url: Optional[str], git_remote: str) -> dict:
+    repo, name, where = open_repo(url)
+    with repo:
+        t = time.perf_counter()
+        stats = repo.pull()["stats"]
+        out = {
+            "remote": name,
+            "url": where,
+            "fetched": stats.get("fetched", 0),
+            "seconds": round(time.perf_counter() - t, 2),
+        }
+        print(f"dvc pull: {out['fetched']} files from remote {name!r} ({where}) in {out['seconds']} s")
+        out["experiments"] = _experiments(repo, "pull", git_remote)
+    return out
+
+
+def _experiments(repo, action: str, git_remote: str):
+    if git_remote_url(git_remote) is None:
+        print(f"dvc exp {action}: skipped, no git remote {git_remote!r} ({GIT_REMOTE_ENV}=<name> to choose one)")
+        return None
+    if action == "push":
+        result = repo.experiments.push(git_remote, push_cache=True)
+    else:
+        result = repo.experiments.pull(git_remote, pull_cache=True)
+    result = result if isinstance(result, dict) else {"pulled": list(result or [])}
+    print(f"dvc exp {action} {git_remote}: {result}")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=("push", "pull"))
+    ap.add_argument(
+        "--remote",
+        default=os.environ.get(REMOTE_ENV) or None,
+        help=f"DVC remote directory or URL for this command (default: ${REMOTE_ENV}, else .dvc/config)",
+    )
+    ap.add_argument("--git-remote", default=os.environ.get(GIT_REMOTE_ENV) or "origin")
+    a = ap.parse_args()
+    from dvc.exceptions import DvcException
+
+    try:
+        (push if a.action == "push" else pull)(a.remote, a.git_remote)
+    except (ShareError, DvcException) as e:
+        print(f"make {a.action}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The MCP server (agentrl.mcp_server) driven over stdio by the official SDK's client."""
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
+
+from agentrl import agent_api
+from test_agent_api import BIN, GIT_ID, make_repo, sh, snapshot
+
+
+@pytest.fixture
+def repo(copy_repo, monkeypatch):
+    return make_repo(copy_repo, monkeypatch)
+
+
+def server_params(repo: Path) -> StdioServerParameters:
+    env = {**os.environ, **GIT_ID, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "disabled"}
+    return StdioServerParameters(
+        command=sys.executable, args=["-m", "agentrl.mcp_server", "--repo", str(repo)], env=env, cwd=str(repo)
+    )
+
+
+def session(repo: Path, body):
+    """Run `await body(session)` against a fresh server process over stdio."""
+
+    async def main():
+        async with stdio_client(server_params(repo)) as (read, write):
+            async with ClientSession(read, write) as s:
+                await s.initialize()
+                return await body(s)
+
+    return asyncio.run(main())
+
+
+def payload(result) -> dict:
+    out = json.loads(result.content[0].text)
+    assert result.structured_content == out
+    assert result.is_error == ("error" in out)
+    return out
+
+
+def test_tools_have_schemas_and_bad_arguments_are_structured_errors(repo):
+    before = snapshot(repo)
+
+    async def body(s):
+        tools = {t.name: t for t in (await s.list_tools()).tools}
+        calls = {
+            "unknown_key": await s.call_tool("run_experiment", {"overrides": {"eval.batch_sise": 2}, "name": "x"}),
+            "wrong_type": await s.call_tool("run_experiment", {"overrides": {"seed": "forty-two"}}),
+            "unknown_exp": await s.call_tool("compare", {"a": "workspace", "b": "no-such-experiment"}),
+            "eval_unknown": await s.call_tool("evaluate", {"experiment": "nope", "n": 3}),
+            "describe": await s.call_tool("describe", {}),
+            "status": await s.call_tool("status", {}),
+        }
+        return tools, calls
+
+    tools, calls = session(repo, body)
+    assert set(tools) == set(agent_api.ACTIONS)
+    for t in tools.values():
+        assert t.input_schema["type"] == "object" and t.description
+    props = tools["run_experiment"].input_schema["properties"]
+    assert props["overrides"]["type"] == "object" and props["mode"]["enum"] == list(agent_api.MODES)
+    assert tools["compare"].input_schema["required"] == ["a", "b"]
+    expected = {
+        "unknown_key": ("unknown_key", "eval.batch_sise"),
+        "wrong_type": ("wrong_type", "seed"),
+        "unknown_exp": ("unknown_experiment", "b"),
+        "eval_unknown": ("unknown_experiment", "experiment"),
+    }
+    for name, (type_, key) in expected.items():
+        err = payload(calls[name])["error"]
+        assert calls[name].is_error and (err["type"], err["key"]) == (type_, key), (name, err)
+    assert "Traceback" not in json.dumps([payload(c) for c in calls.values()])
+    described = payload(calls["describe"])
+    assert described["params_schema"]["properties"].keys() >= {"seed", "data", "eval"}
+    assert payload(calls["status"])["runs"] == []
+    assert snapshot(repo) == before
+    assert agent_api.experiment_names(repo) == []
+
+
+@pytest.mark.slow
+def test_run_experiment_end_to_end_over_mcp(repo):
+    """A tiny override run through the MCP server: metrics and progress come back, the experiment is in
+    `dvc exp show`, the workspace is untouched; a second run pairs with it in `compare`; `evaluate` scores a
+    model of it; mode 'workspace' applies a run to the workspace."""
+    before = snapshot(repo)
+    progress = []
+
+    async def on_progress(p, total, message):
+        progress.append((p, total, message))
+
+    async def body(s):
+        first = await s.call_tool(
+            "run_experiment", {"overrides": {"eval.batch_size": 4}, "name": "bs4"}, progress_callback=on_progress
+        )
+        second = await s.call_tool("run_experiment", {"overrides": {"eval.batch_size": 2}, "name": "bs2"})
+        listed = await s.call_tool("list_experiments", {})
+        compared = await s.call_tool("compare", {"a": "bs4", "b": "bs2", "stage": "sft"})
+        evaluated = await s.call_tool("evaluate", {"experiment": "bs4", "stage": "sft", "n": 5})
+        return first, second, listed, compared, evaluated
+
+    first, second, listed, compared, evaluated = session(repo, body)
+    run = payload(first)
+    assert run["name"] == "bs4" and run["mode"] == "temp", run
+    num_test = agent_api._read_params(repo)["data"]["synthetic"]["num_test"]
+    assert run["metrics"]["metrics/eval_grpo.json"]["num_samples"] == num_test
+    assert 0.0 <= run["summary"]["grpo_accuracy"] <= 1.0
+    stages_total = len(agent_api.stages(repo))
+    assert progress[-1][:2] == (stages_total, stages_total) and any("stage grpo" in m for _, _, m in progress)
+    assert snapshot(repo) == before  # a temp run leaves the workspace alone
+
+    shown = json.loads(sh(["dvc", "exp", "show", "--json"], repo))
+    exps = {rev["name"]: rev for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
+    assert {"bs4", "bs2"} <= set(exps)
+    assert exps["bs4"]["data"]["params"]["params.yaml"]["data"]["eval"]["batch_size"] == 4
+    assert (
+        exps["bs4"]["data"]["metrics"]["metrics/eval_grpo.json"]["data"]["accuracy"]
+        == run["metrics"]["metrics/eval_grpo.json"]["accuracy"]
+    )
+    rows = payload(listed)["experiments"]
+    assert {"bs4", "bs2"} <= {r["Experiment"] for r in rows}
+
+    cmp = payload(compared)
+    assert cmp["paired_test"]["n"] == num_test  # same held-out problems: the paired test ran
+    assert 0.0 <= cmp["paired_test"]["p_value"] <= 1.0
+    sft_a, sft_b = cmp["a"]["summary"]["sft_accuracy"], cmp["b"]["summary"]["sft_accuracy"]
+    assert cmp["difference"]["sft_accuracy"] == sft_b - sft_a
+    ev = payload(evaluated)
+    assert ev["n"] == 5 and ev["metrics"]["num_samples"] == 5 and ev["stage"] == "sft"
+    assert snapshot(repo) == before
+
+    # mode 'workspace': the run is applied to the workspace afterwards
+    out = agent_api.call(
+        "run_experiment", {"overrides": {"eval.batch_size": 3}, "name": "bs3", "mode": "workspace"}, root=repo
+    )
+    assert out.get("applied_to_workspace") is True, out
+    assert agent_api._read_params(repo)["eval"]["batch_size"] == 3
+    assert (repo / "metrics/eval_grpo.json").exists()
