@@ -128,6 +128,12 @@ bench: setup
 bench-tools: setup
 	python scripts/bench.py --tools-only
 
+# GPU check (README "GPU check"): the recipe's code paths on one CUDA GPU, offline, one table in gpu_check/gpu_check.md.
+# Exit 2 without a CUDA device; GPU_CHECK_ARGS="--cpu-smoke" runs the same sequence on the CPU with a tiny model.
+.PHONY: gpu-check
+gpu-check: setup
+	PYTHON=$(BIN)/python bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
 # Sharing results (README "Sharing results"). DVC_REMOTE=<directory or s3://, gs://, ssh:// URL> overrides the
 # default remote of .dvc/config (~/.cache/agentrl/dvc-remote) for one command; GIT_REMOTE (default origin) is
 # where `dvc exp push/pull` send experiments, skipped when it does not exist.

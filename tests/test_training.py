@@ -23,8 +23,14 @@ def trained(tmp_path_factory):
     old = os.getcwd()
     os.chdir(wd)
     secrets = {"HF_TOKEN": "sk-test-secret-key", "OPENAI_API_KEY": "sk-test-secret-key"}
-    saved_env = {k: os.environ.get(k) for k in secrets}
-    os.environ.update(secrets)
+    # the stages default WANDB_DIR to their working directory with os.environ.setdefault (one process per stage
+    # in the pipeline); in this test process an earlier test may have set it: pin it to this run's directory
+    env = {**secrets, "WANDB_DIR": str(wd)}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import wandb
+
+    wandb.teardown()  # W&B's process-wide settings (its run directory) from an earlier test's run must not apply
     try:
         p = mini_params()
         p["tracking"]["report_to"] = ["tensorboard", "dvclive", "wandb"]
@@ -231,20 +237,25 @@ def test_hub_base_model_path_records_resolved_commit(workdir, monkeypatch):
     model.config._commit_hash = "0123456789abcdef0123456789abcdef01234567"
     calls = []
 
-    def fake_model(name, dtype=None, revision=None):
-        calls.append(("model", name, revision))
+    def fake_model(name, dtype=None, revision=None, attn_implementation=None):
+        calls.append(("model", name, revision, dtype, attn_implementation))
         return model
 
     def fake_tok(name, revision=None):
         calls.append(("tokenizer", name, revision))
         return tok
 
-    monkeypatch.setattr(base, "load_model", lambda path, revision=None: fake_model(path, revision=revision))
+    monkeypatch.setattr(base, "load_model", fake_model)
     monkeypatch.setattr(base, "load_tokenizer_hub", fake_tok)
     p = mini_params()
     p["model"].update(base_model="Qwen/Qwen3-0.6B", revision="v1.0")
-    info = base.from_hub(validate_params(p))
-    assert ("model", "Qwen/Qwen3-0.6B", "v1.0") in calls and ("tokenizer", "Qwen/Qwen3-0.6B", "v1.0") in calls
+    params = validate_params(p)
+    info = base.from_hub(params)
+    # loaded straight into the training dtype with the training attention (no fp32 load then cast)
+    from agentrl.common import torch_dtype
+
+    loaded = ("model", "Qwen/Qwen3-0.6B", "v1.0", torch_dtype(params.model.precision), params.model.attn_implementation)
+    assert loaded in calls and ("tokenizer", "Qwen/Qwen3-0.6B", "v1.0") in calls
     assert info["resolved_commit"] == "0123456789abcdef0123456789abcdef01234567"
     assert (workdir / "models/base/config.json").exists()
 

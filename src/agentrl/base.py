@@ -15,8 +15,17 @@ from __future__ import annotations
 import random
 import tempfile
 import time
+from pathlib import Path
 
-from .common import get_logger, peak_rss_mb, precision_kwargs, resolve_precision, write_json
+from .common import (
+    get_logger,
+    model_files_digest,
+    peak_rss_mb,
+    precision_kwargs,
+    resolve_precision,
+    torch_dtype,
+    write_json,
+)
 from .config import Params, load_params_or_exit
 from .data import MULTIPLIER_MAX, load_jsonl
 from .modeling import (
@@ -146,9 +155,17 @@ def from_hub(params: Params) -> dict:
     name, rev = params.model.base_model, params.model.revision
     log.info("loading %s at revision %s", name, rev)
     tokenizer = bake_chat_template_kwargs(load_tokenizer_hub(name, rev), params.model.chat_template_kwargs)
-    model = load_model(name, revision=rev)
+    # straight into the training dtype with the training attention (no fp32 load then cast)
+    model = load_model(
+        name,
+        dtype=torch_dtype(params.model.precision),
+        revision=rev,
+        attn_implementation=params.model.attn_implementation,
+    )
     commit = getattr(model.config, "_commit_hash", None)
-    if commit is None:
+    if commit is None and Path(name).is_dir():  # a local directory (a snapshot, a stand-in): no hub lookup
+        commit = f"local:{model_files_digest(name)}"
+    elif commit is None:
         from huggingface_hub import model_info
 
         commit = model_info(name, revision=rev).sha

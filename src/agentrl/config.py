@@ -79,7 +79,7 @@ class DataParams(Strict):
     # GSM8K calculator annotations <<a*b=c>>: 'auto' keeps them when agent.tools is set (they are the tool
     # calls the policy learns), strips them otherwise; true/false force it
     strip_calculator_annotations: Union[Literal["auto"], StrictBool] = "auto"
-    calculator_share: float = Field(0.6, ge=0, le=1)  # share of kept-annotation training solutions that call the tool
+    calculator_share: float = Field(0.52, ge=0, le=1)  # share of kept-annotation training solutions that call the tool
     on_bad_rows: Literal["error", "drop"] = "error"
     system_prompt: str = ""
     synthetic: SyntheticParams = Field(default_factory=SyntheticParams)

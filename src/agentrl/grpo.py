@@ -213,6 +213,44 @@ def rollout_plan(params: Params, args, tok):
     return ToolRollout(toolset), None
 
 
+def baked_tool_template(tok):
+    """TRL's tool loop (GRPOTrainer(tools=...)) recognises a chat template by its exact text, to pick the tool-call
+    parser (add_response_schema) and the training variant of the template (get_training_chat_template).
+    model.chat_template_kwargs baked in front of it (`{%- set enable_thinking = false %}`,
+    modeling.bake_chat_template_kwargs) hide a known template such as Qwen3's. Both are therefore picked on the
+    template without those lines, the lines are put back in front of the training variant, and the tokenizer
+    holds that variant while GRPOTrainer is built. Returns `finish(trainer)`, which gives the tokenizer its
+    template back (the one saved with the result) and the trainer the training variant; None when nothing is
+    baked or TRL does not know the template (it then says so itself)."""
+    import copy
+    import re
+
+    from trl.chat_template_utils import add_response_schema, get_training_chat_template
+
+    template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+    m = re.match(r"(\{%- set \w+ = [^%]*%\})+", template)
+    if not m:
+        return None
+    prefix, probe = m.group(0), copy.copy(tok)
+    probe.chat_template = template[m.end() :]
+    try:
+        if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
+            add_response_schema(probe)
+            for attr in ("response_template", "response_schema"):
+                if getattr(probe, attr, None) is not None:
+                    setattr(tok, attr, getattr(probe, attr))
+        training = prefix + (get_training_chat_template(probe) or probe.chat_template)
+    except ValueError:
+        return None
+    tok.chat_template = training
+
+    def finish(trainer):
+        tok.chat_template = template
+        trainer.chat_template = training
+
+    return finish
+
+
 def _series(history: list[dict], key: str) -> list[float]:
     return [h[key] for h in history if key in h]
 
@@ -267,6 +305,7 @@ def train(params: Params) -> dict:
     if resume:
         log.info("resuming from %s", resume)
     rollout, tools = rollout_plan(params, args, tok)
+    finish = baked_tool_template(tok) if tools else None
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=funcs,
@@ -278,6 +317,8 @@ def train(params: Params) -> dict:
         rollout_func=rollout,
         tools=tools,
     )
+    if finish:
+        finish(trainer)
     t0 = time.time()
     out = trainer.train(resume_from_checkpoint=resume)
     runtime = time.time() - t0

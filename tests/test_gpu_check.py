@@ -1,0 +1,141 @@
+"""scripts/gpu_check.py: it refuses without a CUDA device, and its --cpu-smoke mode runs the whole sequence
+(recipe params on a local random stand-in model, LoRA SFT and GRPO-LoRA through the stage modules,
+evaluation, export, int8 evaluation, the tool loop's speed) on the CPU, every row in one table, none failed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mini_params
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check  # noqa: E402
+
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+ROWS_OK = [
+    "recipe: prepare (synthetic)",
+    "recipe: stand-in model (random, local dir)",
+    "recipe: base (local dir, fp32, sdpa)",
+    "recipe: sft LoRA (single)",
+    "recipe: grpo LoRA (single)",
+    "recipe: eval grpo (tool loop)",
+    "export: merge + verify",
+    "int8: eval merged + int8",
+    "tool loop: generate_with_tools vs generate",
+]
+ROWS_CUDA_ONLY = [
+    "zero2: sft LoRA",
+    "zero2: grpo LoRA",
+    "zero3: sft LoRA",
+    "zero3: grpo LoRA",
+    "vllm: grpo LoRA colocate",
+]
+
+
+def test_local_dir_base_model_loads_offline_in_target_dtype(workdir, tiny_model_dir, monkeypatch):
+    """`model.base_model` as a local directory (the check's stand-in): base loads it without any hub lookup, in
+    model.precision's dtype, and records a digest of the directory instead of a hub commit."""
+    import huggingface_hub
+
+    from agentrl import base
+    from agentrl.config import validate_params
+
+    def no_hub(*a, **k):
+        raise AssertionError("hub lookup for a local directory")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", no_hub)
+    p = mini_params()
+    p["model"].update(base_model=str(tiny_model_dir), precision="bf16", attn_implementation="eager")
+    info = base.from_hub(validate_params(p))
+    assert info["resolved_commit"].startswith("local:")
+    saved = json.loads((workdir / "models/base/config.json").read_text())
+    assert saved["dtype"] == "bfloat16"  # loaded as bf16 and saved so, not fp32
+
+
+def test_padded_tokenizer_decodes_every_id():
+    """The stand-in's tokenizer is padded to the model's vocabulary: encoding is unchanged, every id decodes."""
+    from agentrl.modeling import train_tokenizer
+
+    tok = train_tokenizer(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
+    padded = gpu_check.pad_vocab(tok, 1000)
+    assert len(padded) == 1000
+    text = "Tom has 3 apples. 3+4=7"
+    assert padded(text)["input_ids"] == tok(text)["input_ids"]
+    assert isinstance(padded.decode(list(range(len(tok) - 3, 1000))), str)
+
+
+def _env():
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+
+
+def test_refuses_without_cuda(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no CUDA device" in r.stderr and "--cpu-smoke" in r.stderr
+    assert not (tmp_path / "gpu_check.md").exists()
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_row(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = {row["path"]: row for row in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
+    assert set(rows) == set(ROWS_OK + ROWS_CUDA_ONLY)
+    assert not [p for p, row in rows.items() if row["status"] == "fail"]
+    for p in ROWS_OK:
+        assert rows[p]["status"] == "ok", rows[p]
+        assert rows[p]["seconds"] > 0
+    for p in ROWS_CUDA_ONLY:
+        assert rows[p]["status"] == "skipped" and "CUDA-only" in rows[p]["note"]
+    for p in ("recipe: sft LoRA (single)", "recipe: grpo LoRA (single)", "tool loop: generate_with_tools vs generate"):
+        assert rows[p]["tokens_per_s"] > 0, rows[p]
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table in r.stdout  # the same table on stdout
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ")]
+    assert lines[0] == "| path | status | seconds | tokens/s | note |"
+    assert all(ln.count("|") == 6 for ln in lines), "a note broke the table"
+    assert "| fail |" not in table
+    assert (tmp_path / "logs.tar.gz").is_file()
+    assert "tiny-random" not in (ROOT / "params.yaml").read_text()  # the scratch copy's params, never the repository's
+
+
+def test_baked_chat_template_kwargs_keep_trl_tool_loop_working():
+    """Found by the check: model.chat_template_kwargs (the recipe's enable_thinking: false) baked in front of
+    Qwen3's template hid it from TRL's tool loop, and GRPOTrainer(tools=...) refused the template. grpo picks the
+    parser and the training template on the unbaked text, then puts the tokenizer's own template back."""
+    from trl.chat_template_utils import get_training_chat_template, qwen3_chat_template
+
+    from agentrl.grpo import baked_tool_template
+    from agentrl.modeling import bake_chat_template_kwargs, train_tokenizer
+
+    tok = train_tokenizer(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
+    tok.chat_template = qwen3_chat_template
+    bake_chat_template_kwargs(tok, {"enable_thinking": False})
+    baked = tok.chat_template
+    finish = baked_tool_template(tok)
+    assert finish is not None
+    assert getattr(tok, "response_template", None) is not None or getattr(tok, "response_schema", None) is not None
+    assert get_training_chat_template(tok) is None  # what GRPOTrainer checks while it is built: nothing to patch
+
+    class Trainer:
+        chat_template = None
+
+    t = Trainer()
+    finish(t)
+    assert tok.chat_template == baked  # saved with the result unchanged
+    assert t.chat_template.startswith("{%- set enable_thinking = false %}") and "generation" in t.chat_template
+    msgs = [{"role": "user", "content": "2+2?"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == tok.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=False, chat_template=t.chat_template
+    )
