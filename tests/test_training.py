@@ -25,7 +25,9 @@ def trained(tmp_path_factory):
     secrets = {"HF_TOKEN": "sk-test-secret-key", "OPENAI_API_KEY": "sk-test-secret-key"}
     # the stages default WANDB_DIR to their working directory with os.environ.setdefault (one process per stage
     # in the pipeline); in this test process an earlier test may have set it: pin it to this run's directory
-    env = {**secrets, "WANDB_DIR": str(wd)}
+    # WANDB_MODE too: a stage sets it for its process (tracking.setup), so an earlier test's stage may have left
+    # "disabled" behind in this one
+    env = {**secrets, "WANDB_DIR": str(wd), "WANDB_MODE": "offline"}
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import wandb
@@ -42,8 +44,11 @@ def trained(tmp_path_factory):
         prepare.prepare(params)
         base.build_tiny(params)
         sft_metrics = sft.train(params)
+        # in the pipeline each stage is its own process, whose exit ends its W&B run; here both run in this one
+        wandb.finish()
         before = {k: v.clone() for k, v in grpo.starting_model().state_dict().items()}
         grpo_metrics = grpo.train(params)
+        wandb.finish()
         yield {"dir": wd, "params": params, "sft": sft_metrics, "grpo": grpo_metrics, "before": before}
     finally:
         os.chdir(old)
