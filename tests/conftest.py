@@ -63,6 +63,24 @@ def mini_params() -> dict:
     return p
 
 
+def tiny_lm(texts: list[str], vocab_size: int, seed: int = 0, **model_params):
+    """(tokenizer, model): the project's tiny Qwen3 builder at the tests' smallest size (one 32-wide layer
+    unless `model_params` say otherwise), tokenizer trained on `texts`."""
+    from agentrl.config import TinyModelParams
+    from agentrl.modeling import build_tiny_model, train_tokenizer
+
+    tok = train_tokenizer(texts, vocab_size)
+    dims = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    return tok, build_tiny_model(tok, TinyModelParams(**{**dims, **model_params}), seed)
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """An empty working directory holding a miniature params.yaml; stages write relative paths."""
@@ -113,25 +131,10 @@ def copy_repo(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny saved model + tokenizer the serving tests load (one per test module)."""
-    from agentrl.config import TinyModelParams
-    from agentrl.modeling import build_tiny_model, train_tokenizer
 
     d = tmp_path_factory.mktemp("served")
     texts = ["Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?", "3+4=7\n#### 7"] * 50
-    tok = train_tokenizer(texts, 320)
-    model = build_tiny_model(
-        tok,
-        TinyModelParams(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=128,
-        ),
-        seed=0,
-    )
+    tok, model = tiny_lm(texts, 320, max_position_embeddings=128)
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return d

@@ -10,10 +10,9 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from agentrl.agent import generate_with_tools, sft_features, tokenize_trace, tool_stats
-from agentrl.config import TinyModelParams
 from agentrl.data import generate_synthetic
-from agentrl.modeling import build_tiny_model, train_tokenizer
 from agentrl.tools import Toolset, calculator, call_tool, get_tool, split_annotated
+from conftest import tiny_lm
 
 
 # ----------------------------------------------------------------------------------- calculator
@@ -92,19 +91,7 @@ def tiny():
     train, test = generate_synthetic(
         1, 300, 12, 1, 99, ["+", "*"], {1: 0.5, 2: 0.5}, max_value=999, distractor_rate=0.5
     )
-    tok = train_tokenizer([r["question"] + r["answer"] for r in train], 320)
-    model = build_tiny_model(
-        tok,
-        TinyModelParams(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        ),
-        0,
-    )
+    tok, model = tiny_lm([r["question"] + r["answer"] for r in train], 320, num_hidden_layers=2)
     torch.manual_seed(0)
     for p in model.parameters():  # large random weights: completions that differ from prompt to prompt
         p.data.normal_(0, 1.0)

@@ -2,6 +2,7 @@ import pytest
 
 from agentrl.compare import mcnemar_exact, paired_test
 from agentrl.evaluate import score, wilson_interval
+from conftest import tiny_lm
 
 ROWS = [
     {"id": "a", "question": "qa", "ground_truth": "7", "steps": 1},
@@ -78,25 +79,11 @@ def test_generate_drops_ended_rows_and_matches_one_generate_call():
 
     import torch
 
-    from agentrl.config import TinyModelParams
     from agentrl.data import generate_synthetic
     from agentrl.evaluate import generate
-    from agentrl.modeling import build_tiny_model, train_tokenizer
 
     train, test = generate_synthetic(1, 300, 40, 1, 19, ["+", "*"], {1: 0.5, 2: 0.5})
-    tok = train_tokenizer([r["question"] + r["answer"] for r in train], 300)
-    model = build_tiny_model(
-        tok,
-        TinyModelParams(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        ),
-        0,
-    )
+    tok, model = tiny_lm([r["question"] + r["answer"] for r in train], 300, num_hidden_layers=2)
     torch.manual_seed(0)
     for p in model.parameters():  # large random weights: completions that differ from prompt to prompt
         p.data.normal_(0, 1.0)

@@ -14,7 +14,7 @@ import torch
 
 from agentrl import grpo, sft
 from agentrl.config import DERIVED, ParamsError, validate_params
-from conftest import mini_params, raw_params
+from conftest import mini_params, raw_params, tiny_lm
 
 
 def _with(section: str, sub: str, **values):
@@ -46,22 +46,8 @@ def test_sftconfig_pass_through(tmp_path):
 
 @pytest.fixture
 def tiny_model_and_tokenizer():
-    from agentrl.config import TinyModelParams
-    from agentrl.modeling import build_tiny_model, train_tokenizer
 
-    tok = train_tokenizer(["Tom has 3 apples and buys 4 more. 3+4=7 #### 7"] * 20, 300)
-    model = build_tiny_model(
-        tok,
-        TinyModelParams(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        ),
-        0,
-    )
+    tok, model = tiny_lm(["Tom has 3 apples and buys 4 more. 3+4=7 #### 7"] * 20, 300)
     return model, tok
 
 

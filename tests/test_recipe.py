@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, tiny_lm
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import recipe
@@ -25,23 +25,10 @@ QWEN3_TEMPLATE_TAIL = (
 @pytest.fixture
 def stand_in(tmp_path):
     """A tiny randomly initialised Qwen3 + tokenizer with a Qwen3-style template, saved like a hub snapshot."""
-    from agentrl.config import TinyModelParams
-    from agentrl.modeling import CHAT_TEMPLATE, build_tiny_model, train_tokenizer
+    from agentrl.modeling import CHAT_TEMPLATE
 
-    tok = train_tokenizer(["Natalia sold 48 clips. 48/2=24 #### 72"] * 20, 300)
+    tok, model = tiny_lm(["Natalia sold 48 clips. 48/2=24 #### 72"] * 20, 300)
     tok.chat_template = CHAT_TEMPLATE.split("{%- if add_generation_prompt")[0] + QWEN3_TEMPLATE_TAIL
-    model = build_tiny_model(
-        tok,
-        TinyModelParams(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        ),
-        0,
-    )
     d = tmp_path / "Qwen3-0.6B-stand-in"
     model.save_pretrained(d)
     tok.save_pretrained(d)

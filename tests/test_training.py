@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import mini_params, write_params
+from conftest import mini_params, tiny_lm, write_params
 
 
 @pytest.fixture(scope="module")
@@ -223,22 +223,9 @@ def test_hub_base_model_path_records_resolved_commit(workdir, monkeypatch):
     """model.base_model: <hub id> goes through from_pretrained at model.revision (patched: no hub here)
     and writes the resolved commit to metrics/base.json."""
     from agentrl import base
-    from agentrl.config import TinyModelParams, validate_params
-    from agentrl.modeling import build_tiny_model, train_tokenizer
+    from agentrl.config import validate_params
 
-    tok = train_tokenizer(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
-    model = build_tiny_model(
-        tok,
-        TinyModelParams(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        ),
-        0,
-    )
+    tok, model = tiny_lm(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
     model.config._commit_hash = "0123456789abcdef0123456789abcdef01234567"
     calls = []
 
