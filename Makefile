@@ -72,10 +72,12 @@ mcp:
 loadtest: setup
 	python scripts/loadtest.py --model $(MODEL)
 
+# reports/report.html: accuracy with 95% CIs, the comparison table, example completions with tool calls
+# (the curves are `dvc plots show`).
 report: setup
 	python -m agentrl.report
 
-# The same panels as a W&B Report (online: needs WANDB_API_KEY; GROUP=<run group> narrows it).
+# dvc.yaml's plots + the report's per-stage columns as a W&B Report (online: needs WANDB_API_KEY; GROUP=<run group>).
 wandb-report: setup
 	python scripts/wandb_report.py $(if $(GROUP),--group $(GROUP))
 
@@ -107,9 +109,10 @@ train-multinode: setup
 	  --main_process_port $(MAIN_PORT) -m agentrl.$(STAGE)
 
 clean:
-	rm -rf data/prepared models checkpoints eval metrics dvclive runs wandb reports
+	rm -rf data/prepared models checkpoints eval metrics diagnostics dvclive runs wandb reports
 
-# Hyperparameter sweeps over `dvc exp` (search spaces in configs/sweeps/). SPACE, JOBS, N, TRIALS.
+# Hyperparameter sweeps: DVC's queue (`dvc exp run --queue -S`), Optuna's samplers (search spaces in configs/sweeps/).
+# SPACE, JOBS (trials run at a time), N (random trials), TRIALS (optuna trials).
 SPACE ?= configs/sweeps/grpo.yaml
 JOBS ?= 1
 N ?= 10
@@ -119,7 +122,7 @@ sweep-grid: setup
 sweep-random: setup
 	python scripts/sweep.py random --space $(SPACE) -n $(N) --jobs $(JOBS)
 sweep-optuna: setup
-	python scripts/sweep.py optuna --space $(SPACE) --trials $(TRIALS)
+	python scripts/sweep.py optuna --space $(SPACE) --trials $(TRIALS) --jobs $(JOBS)
 
 bench: setup
 	python scripts/bench.py

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from agentrl.common import peak_rss_mb, write_json
 from agentrl.config import load_params
 from agentrl.data import load_jsonl
+from agentrl.testing import copy_repo, git_commit_all, set_param, tool_loop_vs_plain
 
 STEPS = 40
 EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_tokens: not the hard case
@@ -225,11 +226,8 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
 
 
 def tool_loop_speed(params, n: int, stage: str = "grpo") -> dict:
-    """Generated tokens/s of the tool loop (agent.generate_with_tools, tools from params.agent) against one
-    plain `model.generate` call per batch on the same prompts and batch size (which runs no tool: the model
-    writes every result itself). Tokens counted up to and including eos; the loop's count includes the
-    tool's inserted tokens, which it does not sample (both reported)."""
-    from agentrl.agent import generate_with_tools
+    """testing.tool_loop_vs_plain on `stage`'s policy: the tool loop (tools from params.agent) against plain
+    `model.generate` on the first `n` held-out prompts, params.eval's batch size and max_new_tokens."""
     from agentrl.modeling import load_policy
     from agentrl.tools import toolset_from_params
 
@@ -237,36 +235,8 @@ def tool_loop_speed(params, n: int, stage: str = "grpo") -> dict:
     model.eval()
     toolset = toolset_from_params(params.agent, tok.eos_token)
     prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[:n]]
-    bs, max_new = params.eval.batch_size, params.eval.max_new_tokens
-    t = time.perf_counter()
-    rolls = [r[0] for r in generate_with_tools(model, tok, prompts, toolset, max_new, batch_size=bs)]
-    loop_s = time.perf_counter() - t
-    tok.padding_side = "left"
-    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-    plain_tokens, t = 0, time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(texts), bs):
-            enc = tok(texts[i : i + bs], return_tensors="pt", padding=True, add_special_tokens=False)
-            seqs = model.generate(
-                **enc,
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-            for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
-                plain_tokens += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
-    plain_s = time.perf_counter() - t
-    loop_tokens = sum(r.num_tokens for r in rolls)
-    sampled = sum(sum(r.env_mask) for r in rolls)
-    return {
-        "loop_tokens_per_second": loop_tokens / loop_s,
-        "loop_sampled_tokens_per_second": sampled / loop_s,
-        "plain_tokens_per_second": plain_tokens / plain_s,
-        "ratio": (loop_tokens / loop_s) / (plain_tokens / plain_s),
-        "tool_calls": sum(len(r.calls) for r in rolls),
-        "problems": len(prompts),
-    }
+    kw = toolset.chat_template_kwargs() if toolset else None
+    return tool_loop_vs_plain(model, tok, prompts, toolset, params.eval.max_new_tokens, params.eval.batch_size, kw)
 
 
 def timed(cmd: list[str], cwd: str | None = None) -> tuple[float, str]:
@@ -283,37 +253,11 @@ def stages_run(out: str) -> list[str]:
 
 
 def scratch_copy(dst: Path) -> None:
-    """The repository as committed plus the workspace's DVC outputs and cache: `dvc repro` there starts
-    from the same state as here, and nothing here changes."""
-    files = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, check=True).stdout.split("\0")
-    for f in filter(None, files):
-        if Path(f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, dst / f)
-    for d in ("data/prepared", "models", "checkpoints", "eval", "metrics", "dvclive", ".dvc/cache"):
-        if Path(d).exists():
-            shutil.copytree(d, dst / d, symlinks=True, dirs_exist_ok=True)
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "bench",
-        "GIT_AUTHOR_EMAIL": "bench@localhost",
-        "GIT_COMMITTER_NAME": "bench",
-        "GIT_COMMITTER_EMAIL": "bench@localhost",
-    }
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "bench copy"]):
-        subprocess.run(cmd, cwd=dst, check=True, env=env, capture_output=True)
-
-
-def set_param(path: Path, dotted: str, value) -> None:
-    import yaml
-
-    p = yaml.safe_load(path.read_text())
-    d = p
-    *head, last = dotted.split(".")
-    for h in head:
-        d = d[h]
-    d[last] = value
-    path.write_text(yaml.safe_dump(p, sort_keys=False))
+    """The repository plus the workspace's DVC outputs and cache, committed as a fresh git repo: `dvc repro`
+    there starts from the same state as here, and nothing here changes."""
+    outputs = ("data", "models", "checkpoints", "eval", "metrics", "diagnostics", "dvclive", ".dvc/cache")
+    copy_repo(Path.cwd(), dst, outputs=outputs)
+    git_commit_all(dst, "bench copy")
 
 
 STAGE_METRICS = {
@@ -360,7 +304,7 @@ def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
             c = json.loads((d / "metrics/compare.json").read_text())
             acc.append({k: c[k] for k in ("base_accuracy", "sft_accuracy", "grpo_accuracy", "p_value")})
             for stage, f in STAGE_METRICS.items():
-                m = d / "metrics" / f"{f}.json"
+                m = d / "diagnostics" / f"{f}.json"  # timings and memory: the stages' diagnostics
                 if m.exists() and "peak_rss_mb" in (stage_metrics := json.loads(m.read_text())):
                     rss.setdefault(stage, []).append(stage_metrics["peak_rss_mb"])
         out["full_repro_seconds"] = stats(full)

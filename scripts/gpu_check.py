@@ -170,9 +170,8 @@ def pad_vocab(tok, size: int):
     """The tokenizer with filler tokens appended to its BPE vocabulary up to `size` entries: the encoder never
     produces them (no merge leads there) but every id a random model samples decodes."""
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
 
-    from agentrl.modeling import CHAT_TEMPLATE
+    from agentrl.modeling import wrap_tokenizer
 
     spec = json.loads(tok.backend_tokenizer.to_str())
     vocab = spec["model"]["vocab"]
@@ -184,18 +183,7 @@ def pad_vocab(tok, size: int):
         if name not in vocab:
             vocab[name] = nxt
             nxt += 1
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        unk_token=None,
-        additional_special_tokens=["<|im_start|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.padding_side = "left"
-    fast.model_max_length = 4096
-    return fast
+    return wrap_tokenizer(Tokenizer.from_str(json.dumps(spec)))
 
 
 def build_stand_in(out: str, cpu: bool) -> dict:
@@ -250,66 +238,27 @@ def build_stand_in(out: str, cpu: bool) -> dict:
 
 
 def tool_speed(n: int) -> dict:
-    """bench.py's tool_loop_speed on the device: tokens/s of agent.generate_with_tools (the GRPO policy,
-    params.agent's tools) against one plain `model.generate` per batch on the same prompts, greedy."""
+    """bench.py's tool_loop_speed on the device (testing.tool_loop_vs_plain): tokens/s of
+    agent.generate_with_tools (the GRPO policy, params.agent's tools) against one plain `model.generate` per
+    batch on the same prompts, greedy."""
     import torch
 
-    from agentrl.agent import generate_with_tools
     from agentrl.common import torch_dtype
     from agentrl.config import load_params
     from agentrl.data import load_jsonl
     from agentrl.modeling import load_policy
+    from agentrl.testing import tool_loop_vs_plain
     from agentrl.tools import toolset_from_params
 
     params = load_params()
     model, tok = load_policy("grpo", dtype=torch_dtype(params.model.precision))
-    cuda = torch.cuda.is_available()
-    if cuda:
+    if torch.cuda.is_available():
         model = model.cuda()
     model.eval()
     toolset = toolset_from_params(params.agent, tok.eos_token)
     kw = toolset.chat_template_kwargs() if toolset else None
     prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[:n]]
-    bs, max_new = params.eval.batch_size, params.eval.max_new_tokens
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    generate_with_tools(model, tok, prompts[:2], toolset, 4, batch_size=bs, chat_template_kwargs=kw)  # warm-up
-    sync()
-    t = time.perf_counter()
-    rolls = [
-        r[0] for r in generate_with_tools(model, tok, prompts, toolset, max_new, batch_size=bs, chat_template_kwargs=kw)
-    ]
-    sync()
-    loop_s = time.perf_counter() - t
-    tok.padding_side = "left"
-    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **(kw or {})) for p in prompts]
-    plain_tokens, t = 0, time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(texts), bs):
-            enc = tok(texts[i : i + bs], return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            seqs = model.generate(
-                **enc,
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-            for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
-                plain_tokens += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
-    sync()
-    plain_s = time.perf_counter() - t
-    loop_tokens = sum(r.num_tokens for r in rolls)
-    return {
-        "loop_tokens_per_second": loop_tokens / loop_s,
-        "plain_tokens_per_second": plain_tokens / plain_s,
-        "ratio": (loop_tokens / loop_s) / (plain_tokens / plain_s),
-        "tool_calls": sum(len(r.calls) for r in rolls),
-        "problems": len(prompts),
-        "device": str(model.device),
-    }
+    return tool_loop_vs_plain(model, tok, prompts, toolset, params.eval.max_new_tokens, params.eval.batch_size, kw)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -324,10 +273,11 @@ class Check:
         self.rows: list[dict] = []
         self.status: dict[str, str] = {}
         self.work = Path(tempfile.mkdtemp(prefix="agentrl-gpu-check-"))
-        for d in ("src", "configs"):
-            shutil.copytree(ROOT / d, self.work / d, ignore=shutil.ignore_patterns("__pycache__"))
         self.stand_in = str(self.work / "stand-in" / ("tiny-random" if self.cpu else "qwen3-0.6b-sized-random"))
-        self.params = check_params(self.cpu, self.stand_in)
+        self.params = check_params(self.cpu, self.stand_in)  # puts ROOT/src on sys.path
+        from agentrl.testing import copy_repo
+
+        copy_repo(ROOT, self.work, only=("src", "configs"))
         self.env = {
             **os.environ,
             "PYTHONPATH": str(self.work / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -354,8 +304,14 @@ class Check:
         (self.work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 
     def metric(self, name: str) -> dict:
+        """A stage's headline metrics merged with its diagnostics (common.read_metrics), or this script's own
+        metrics/gpu_check_*.json; {} when nothing was written."""
+        from agentrl.common import diagnostics_path, read_metrics
+
         f = self.work / "metrics" / f"{name}.json"
-        return json.loads(f.read_text()) if f.is_file() else {}
+        if not f.is_file():
+            return {}
+        return read_metrics(f) if diagnostics_path(f).is_file() else json.loads(f.read_text())
 
     def add(self, path, status, seconds=None, tps=None, note="") -> None:
         note = note.replace("|", "/")  # a table cell

@@ -10,15 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from agentrl.testing import free_port, start_server
 
 QUESTIONS = [
     "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?",
@@ -26,45 +25,6 @@ QUESTIONS = [
     "Liam has 6 coins. Then he gets 3 times as many coins as he has. How many coins does Liam have now?",
     "Mia has 9 shells. She finds 7 more shells. She loses 4 shells. How many shells does Mia have now?",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, port: int, log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "AGENTRL_MODEL_PATH": model}
-    log = log_path.open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "agentrl.serve:app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.terminate()
-    raise RuntimeError(f"server did not become healthy in 120 s; see {log_path}")
 
 
 async def run(base: str, n: int, concurrency: int, max_tokens: int) -> dict:
@@ -123,16 +83,18 @@ def main() -> None:
     a = ap.parse_args()
     proc = None
     base = a.url
+    log = None
     if base is None:
-        port = free_port()
-        proc = start_server(a.model, port, Path("loadtest_server.log"))
-        base = f"http://127.0.0.1:{port}"
+        log = Path("loadtest_server.log").open("w")
+        proc, base = start_server(a.model, free_port(), output=log)
     try:
         res = asyncio.run(run(base, a.requests, a.concurrency, a.max_tokens))
     finally:
         if proc:
             proc.terminate()
             proc.wait(timeout=30)
+        if log:
+            log.close()
     print(
         f"{res['requests']} requests at concurrency {res['concurrency']}: {res['errors']} errors; "
         f"p50 {res['p50_ms']} ms, p95 {res['p95_ms']} ms, {res['throughput_rps']} req/s"

@@ -1,25 +1,20 @@
 #!/usr/bin/env python
-"""Hyperparameter search over `dvc exp`: grid, random, or Bayesian (Optuna TPE).
+"""Hyperparameter search on DVC's and Optuna's own machinery: grid, random, or Bayesian (Optuna TPE).
 
-    python scripts/sweep.py grid   --space configs/sweeps/grpo.yaml --jobs 1
-    python scripts/sweep.py random --space configs/sweeps/grpo.yaml -n 10
-    python scripts/sweep.py optuna --space configs/sweeps/grpo.yaml --trials 20
+    python scripts/sweep.py grid|random|optuna --space configs/sweeps/grpo.yaml [-n 10 | --trials 20] [--jobs 1]
 
-grid/random queue one `dvc exp run --queue -S key=value ...` per point and run the queue with
-`dvc queue start -j JOBS`; optuna runs one `dvc exp run -S ...` per trial (TPE sampler, study in SQLite
-under sweeps/<name>/ so an interrupted search resumes). Every trial reuses the cached
-prepare/base/sft results: only grpo and what depends on it re-run. Each search ends by printing the
-best parameters and accuracy and writing sweeps/<name>/best.json; apply the best with
-`dvc exp apply <experiment>` (printed).
+grid: one `dvc exp run --queue -S key=v1,v2 ...` (DVC expands the product of the space's `grid:` lists); random /
+optuna: Optuna's RandomSampler / TPESampler draw from the `random:` section, each trial one queued `dvc exp run
+--name <name>-t<N>` (study in SQLite under sweeps/<name>/: an interrupted search resumes). `fixed:` values go to every
+trial. `dvc exp run --run-all -j JOBS` runs the queue in temporary copies (cached prepare/base/sft are reused); the
+best by `dvc.api.exp_show()` goes to sweeps/<name>/best.json with its `dvc exp apply` command, failed trials listed.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
-import random
 import subprocess
 import sys
 import time
@@ -27,174 +22,177 @@ from pathlib import Path
 
 import yaml
 
-
-def sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    print("+", " ".join(cmd), flush=True)
-    r = subprocess.run(cmd, text=True, capture_output=True)
-    if check and r.returncode:
-        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    return r
+DISTRIBUTIONS = {  # type -> (required fields, Optuna suggestion)
+    "loguniform": (("low", "high"), lambda t, k, d: t.suggest_float(k, d["low"], d["high"], log=True)),
+    "uniform": (("low", "high"), lambda t, k, d: t.suggest_float(k, d["low"], d["high"])),
+    "categorical": (("choices",), lambda t, k, d: t.suggest_categorical(k, d["choices"])),
+}
 
 
-def load_space(path: str) -> dict:
+def suggest(trial, section: dict) -> dict:
+    """A point of the space's `random:` section drawn by an Optuna trial (its sampler decides how)."""
+    return {k: DISTRIBUTIONS[dist["type"]][1](trial, k, dist) for k, dist in section.items()}
+
+
+SEARCHED = {"grid": "grid", "random": "random", "optuna": "random"}  # kind -> section of the space it searches
+
+
+def load_space(path: str, kind: str) -> dict:
+    """The space file, checked: every error names the file and the key."""
     space = yaml.safe_load(Path(path).read_text())
-    for key in ("objective", "grid", "random"):
-        if key not in space:
-            sys.exit(f"{path}: missing section '{key}'")
+    if not isinstance(space, dict):
+        raise SystemExit(f"{path}: expected a mapping with objective, grid, random and optional fixed sections")
+    if unknown := set(space) - {"objective", "fixed", "grid", "random"}:
+        raise SystemExit(f"{path}: unknown section(s) {sorted(unknown)} (expected objective, fixed, grid, random)")
+    for section in ("objective", SEARCHED[kind]):
+        if not isinstance(space.get(section), dict) or not space[section]:
+            raise SystemExit(f"{path}: missing or empty section '{section}' (needed by a {kind} search)")
+    obj = space["objective"]
+    if not all(isinstance(obj.get(k), str) for k in ("metric", "key")):
+        raise SystemExit(f"{path}: objective needs 'metric' (a metrics file) and 'key' (a key in it), got {obj}")
+    if obj.setdefault("direction", "maximize") not in ("maximize", "minimize"):
+        raise SystemExit(f"{path}: objective.direction must be maximize or minimize, got {obj['direction']!r}")
+    for key, values in (space.get("grid") or {}).items():
+        if not isinstance(values, list) or not values:
+            raise SystemExit(f"{path}: grid.{key} must be a non-empty list of values, got {values!r}")
+    for key, dist in (space.get("random") or {}).items():
+        if not isinstance(dist, dict) or dist.get("type") not in DISTRIBUTIONS:
+            raise SystemExit(f"{path}: random.{key} needs a 'type' among {sorted(DISTRIBUTIONS)}, got {dist!r}")
+        if missing := [f for f in DISTRIBUTIONS[dist["type"]][0] if f not in dist]:
+            raise SystemExit(f"{path}: random.{key} ({dist['type']}) lacks {missing}")
+    space["fixed"] = space.get("fixed") or {}  # optional
+    if not isinstance(space["fixed"], dict):
+        raise SystemExit(f"{path}: fixed must be a mapping of param -> value, got {space['fixed']!r}")
+    if both := set(space["fixed"]) & set(space[SEARCHED[kind]]):
+        raise SystemExit(f"{path}: {sorted(both)} both fixed and searched in '{SEARCHED[kind]}'")
     return space
 
 
-def set_args(point: dict, space: dict) -> list[str]:
-    """`-S key=value` for a trial: the space's `fixed:` section (set in every trial, not searched, e.g.
-    fewer steps), then the point."""
-    return [a for k, v in {**(space.get("fixed") or {}), **point}.items() for a in ("-S", f"{k}={v}")]
+def value(v) -> str:
+    """A value in the override grammar of `dvc exp run -S` (Hydra's): JSON is a subset of it."""
+    return json.dumps(v, separators=(",", ":"))
 
 
-def sample(dist: dict, rng: random.Random):
-    t = dist["type"]
-    if t == "loguniform":
-        return float(f"{math.exp(rng.uniform(math.log(dist['low']), math.log(dist['high']))):.3g}")
-    if t == "uniform":
-        return round(rng.uniform(dist["low"], dist["high"]), 4)
-    if t == "categorical":
-        return rng.choice(dist["choices"])
-    raise SystemExit(f"unknown distribution type '{t}' (loguniform, uniform, categorical)")
+def set_args(point: dict) -> list[str]:
+    return [a for k, v in point.items() for a in ("-S", f"{k}={value(v)}")]
 
 
-def experiments(metric_file: str, key: str) -> list[dict]:
-    """All experiments of the workspace's baseline with their params and objective."""
-    data = json.loads(sh(["dvc", "exp", "show", "--json"]).stdout or "[]")
-    rows = []
-    for base in data:
-        for exp in base.get("experiments") or []:
-            for rev in exp.get("revs") or []:
-                d = rev.get("data") or {}
-                metric = ((d.get("metrics") or {}).get(metric_file) or {}).get("data", {})
-                params = ((d.get("params") or {}).get("params.yaml") or {}).get("data", {})
-                if key in metric:
-                    rows.append(
-                        {
-                            "name": rev.get("name") or exp.get("name"),
-                            "rev": rev.get("rev"),
-                            "objective": metric[key],
-                            "params": params,
-                        }
-                    )
-    return rows
+def dvc(*args: str, capture: bool = True) -> str:
+    cmd = ["dvc", *args]
+    print("+", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, text=True, capture_output=capture)
+    if r.returncode:
+        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{(r.stdout or '')[-2000:]}{r.stderr or ''}")
+    return r.stdout
 
 
-def finish(name: str, space: dict, names: list[str], started: float, trials: int) -> dict:
+def results(names: list[str], objective: dict) -> tuple[dict[str, dict], list[str]]:
+    """(name -> exp_show row with its objective, names that failed or have no objective) among `names`."""
+    import dvc.api
+
+    column = f"{objective['metric']}:{objective['key']}"  # exp_show drops the file when the key is unique
+    rows = [{**r, "objective": r.get(column, r.get(objective["key"]))} for r in dvc.api.exp_show()]
+    # a failed experiment shows its baseline's metrics: only successes count
+    ok = {r["Experiment"]: r for r in rows if r["Experiment"] in names and r["State"] == "Success"}
+    ok = {n: r for n, r in ok.items() if isinstance(r["objective"], float)}
+    return ok, [n for n in names if n not in ok]
+
+
+def finish(name: str, space: dict, kind: str, names: list[str], started: float, ran: int) -> dict:
+    """Best of the search's experiments `names` (`ran` of them run now) by the objective -> sweeps/<name>/best.json."""
+    import dvc.api
+
     obj = space["objective"]
-    rows = [r for r in experiments(obj["metric"], obj["key"]) if not names or r["name"] in names]
-    if not rows:
-        sys.exit("no finished experiment with the objective metric; see `dvc exp show`")
-    best = (max if obj.get("direction", "maximize") == "maximize" else min)(rows, key=lambda r: r["objective"])
-    keys = list(space["grid"])
-
-    def pick(params, dotted):
-        node = params
-        for k in dotted.split("."):
-            node = node.get(k, {}) if isinstance(node, dict) else {}
-        return node
-
+    ok, failed = results(names, obj)
+    if failed:
+        print(f"failed trials (no {obj['metric']}:{obj['key']}): {failed}; see `dvc queue logs <name>`")
+    if not ok:
+        sys.exit(f"no trial of '{name}' finished with {obj['metric']}:{obj['key']}; see `dvc exp show`")
+    best = (max if obj["direction"] == "maximize" else min)(ok.values(), key=lambda r: r["objective"])
+    exp = best["Experiment"]
+    if pick(dvc.api.metrics_show(obj["metric"], rev=exp), obj["key"]) != best["objective"]:
+        sys.exit(f"exp_show's {obj['key']} of {exp} is not the one in {obj['metric']}")
+    params = dvc.api.params_show(rev=exp)
     out = {
         "search": name,
-        "best_experiment": best["name"],
+        "best_experiment": exp,
         obj["key"]: best["objective"],
-        "params": {k: pick(best["params"], k) for k in keys},
-        "trials": trials,
-        "finished_experiments": len(rows),
+        "params": {k: pick(params, k) for k in space[SEARCHED[kind]]},
+        "trials": len(names),
+        "finished_experiments": len(ok),
+        "failed_experiments": failed,
         "seconds": round(time.time() - started, 1),
-        "seconds_per_trial": round((time.time() - started) / max(1, trials), 1),
-        "apply": f"dvc exp apply {best['name']}",
+        "seconds_per_trial": round((time.time() - started) / max(1, ran), 1),
+        "apply": f"dvc exp apply {exp}",
     }
-    d = Path("sweeps") / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "best.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(f"best {obj['key']} {best['objective']:.4f} with {out['params']} ({best['name']}); apply: {out['apply']}")
+    Path(f"sweeps/{name}/best.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(f"best {obj['key']} {best['objective']:.4f} with {out['params']} ({exp}); apply: {out['apply']}")
     print(f"all trials: dvc exp show --sort-by {obj['metric']}:{obj['key']} --sort-order descending")
     return out
 
 
-def queue_and_run(name: str, points: list[dict], jobs: int, space: dict) -> dict:
+def pick(params: dict, dotted: str):
+    for k in dotted.split("."):
+        params = params[k]
+    return params
+
+
+def run_grid(name: str, space: dict, jobs: int) -> dict:
     started = time.time()
-    names = []
-    for i, point in enumerate(points):
-        exp = f"{name}-{int(started)}-{i}"
-        sh(["dvc", "exp", "run", "--queue", "--name", exp, *set_args(point, space)])
-        names.append(exp)
-    sh(["dvc", "queue", "start", "-j", str(jobs)])
-    while True:  # wait for the queue to drain
-        status = sh(["dvc", "queue", "status"], check=False).stdout
-        if not any(s in status for s in ("Queued", "Running")):
-            break
-        time.sleep(5)
-    failed = [line for line in status.splitlines() if "Failed" in line]
-    if failed:
-        print("failed trials:\n  " + "\n  ".join(failed) + "\n(see `dvc queue logs <name>`)")
-    return finish(name, space, names, started, len(points))
+    prefix = f"{name}-{int(started)}"  # DVC names the points <prefix>-1 .. -N (just <prefix> when there is one)
+    sweeps = [a for k, vs in space["grid"].items() for a in ("-S", f"{k}={','.join(map(value, vs))}")]
+    dvc("exp", "run", "--queue", "--name", prefix, *set_args(space["fixed"]), *sweeps)
+    dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
+    n = math.prod(len(vs) for vs in space["grid"].values())
+    names = [prefix] if n == 1 else [f"{prefix}-{i}" for i in range(1, n + 1)]
+    return finish(name, space, "grid", names, started, n)
 
 
-def run_optuna(name: str, space: dict, trials: int) -> dict:
+def run_study(name: str, space: dict, kind: str, trials: int, jobs: int, seed: int) -> dict:
     import optuna
+    from optuna.trial import TrialState
 
-    obj = space["objective"]
-    d = Path("sweeps") / name
-    d.mkdir(parents=True, exist_ok=True)
-    study = optuna.create_study(
-        study_name=name,
-        storage=f"sqlite:///{d / 'study.db'}",
-        load_if_exists=True,
-        direction=obj.get("direction", "maximize"),
-        sampler=optuna.samplers.TPESampler(seed=0),
-        pruner=optuna.pruners.NopPruner(),
-    )  # a trial reports only its final metric
+    db, direction = f"sqlite:///sweeps/{name}/study.db", space["objective"]["direction"]
+    study = optuna.create_study(study_name=name, storage=db, load_if_exists=True, direction=direction)
+    sampler = optuna.samplers.RandomSampler if kind == "random" else optuna.samplers.TPESampler
+    study.sampler = sampler(seed=seed + len(study.trials))  # a resumed search does not redraw the same points
     started = time.time()
-    names: list[str] = []
-
-    def objective(trial: optuna.Trial) -> float:
-        point = {}
-        for k, dist in space["random"].items():
-            if dist["type"] == "loguniform":
-                point[k] = trial.suggest_float(k, dist["low"], dist["high"], log=True)
-            elif dist["type"] == "uniform":
-                point[k] = trial.suggest_float(k, dist["low"], dist["high"])
-            else:
-                point[k] = trial.suggest_categorical(k, dist["choices"])
-        exp = f"{name}-t{trial.number}"
-        sh(["dvc", "exp", "run", "--name", exp, *set_args(point, space)])
-        value = json.loads(Path(obj["metric"]).read_text())[obj["key"]]
-        names.append(exp)
-        return value
-
-    done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
-    study.optimize(objective, n_trials=max(0, trials - done))
-    print(f"optuna best value {study.best_value:.4f} params {study.best_params} (study: {d / 'study.db'})")
-    return finish(name, space, [f"{name}-t{t.number}" for t in study.trials], started, trials)
+    pending = [t.number for t in study.trials if t.state == TrialState.RUNNING]  # left by an interrupted search
+    todo = trials - len([t for t in study.trials if t.state == TrialState.COMPLETE]) - len(pending)
+    ran = len(pending) + max(todo, 0)
+    while pending or todo > 0:
+        for _ in range(min(jobs, max(todo, 0))):
+            trial = study.ask()
+            point = {**space["fixed"], **suggest(trial, space["random"])}
+            dvc("exp", "run", "--queue", "--name", f"{name}-t{trial.number}", *set_args(point))
+            pending.append(trial.number)
+            todo -= 1
+        dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
+        ok, _ = results([f"{name}-t{n}" for n in pending], space["objective"])
+        for n in pending:
+            row = ok.get(f"{name}-t{n}")
+            study.tell(n, row["objective"] if row else None, state=TrialState.COMPLETE if row else TrialState.FAIL)
+        pending = []
+    print(f"{kind}: {len(study.trials)} trials in {db}")
+    return finish(name, space, kind, [f"{name}-t{t.number}" for t in study.trials], started, ran)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["grid", "random", "optuna"])
+    ap.add_argument("kind", choices=list(SEARCHED))
     ap.add_argument("--space", default="configs/sweeps/grpo.yaml")
-    ap.add_argument("--name", default=None)
-    ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("-n", type=int, default=10, help="random: number of points")
+    ap.add_argument("--name", default=None, help="search name (default: the kind); sweeps/<name>/")
+    ap.add_argument("--jobs", type=int, default=1, help="trials run at a time by the DVC queue")
+    ap.add_argument("-n", type=int, default=10, help="random: number of trials")
     ap.add_argument("--trials", type=int, default=20, help="optuna: number of trials")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="random / optuna sampler seed")
     a = ap.parse_args()
-    space = load_space(a.space)
-    name = a.name or a.kind
+    space, name = load_space(a.space, a.kind), a.name or a.kind
+    Path("sweeps", name).mkdir(parents=True, exist_ok=True)
     if a.kind == "grid":
-        keys = list(space["grid"])
-        points = [dict(zip(keys, combo)) for combo in itertools.product(*(space["grid"][k] for k in keys))]
-        queue_and_run(name, points, a.jobs, space)
-    elif a.kind == "random":
-        rng = random.Random(a.seed)
-        points = [{k: sample(dist, rng) for k, dist in space["random"].items()} for _ in range(a.n)]
-        queue_and_run(name, points, a.jobs, space)
+        run_grid(name, space, a.jobs)
     else:
-        run_optuna(name, space, a.trials)
+        run_study(name, space, a.kind, a.n if a.kind == "random" else a.trials, a.jobs, a.seed)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""Build a W&B Report (wandb-workspaces) with the panels of `make report`: SFT loss and learning rate,
-GRPO reward / reward std / KL / completion length, accuracy per stage (base -> SFT -> GRPO) and the
-per-sample prediction tables of the evaluations.
+"""Build a W&B Report (wandb-workspaces) of the plots dvc.yaml declares, the per-stage columns of `make report`
+and the per-sample prediction tables of the evaluations.
 
     python scripts/wandb_report.py                      # save to W&B (needs WANDB_API_KEY, online)
     python scripts/wandb_report.py --group exp-1234     # only the runs of one pipeline run / DVC experiment
     python scripts/wandb_report.py --dry-run            # build offline and print the report's JSON
 
-Keys are the ones the stages log: TRL/transformers' WandbCallback prefixes training metrics with
-"train/", evaluation runs (job_type "eval") put "eval/<metric>" in their summary and log
-"eval/<stage>/predictions" tables (src/agentrl/tracking.py).
+The panels are not defined here: each plot of dvc.yaml's `plots:` becomes one panel (wandb_key maps its
+files to the keys W&B gets), and the bars are agentrl.report.STAGE_COLUMNS. A training stage logs the same
+values to DVCLive (dvclive/<stage>/plots/metrics/<key>.tsv) and, through transformers' WandbCallback, to W&B
+as "train/<key>" in a run of job type <stage>; evaluation runs (job type "eval") put "eval/<metric>" in their
+summary and log "eval/<stage>/predictions" tables (src/agentrl/tracking.py).
 """
 
 from __future__ import annotations
@@ -17,51 +18,92 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 
-STAGES = ("base", "sft", "grpo")
-TRAINING_PANELS = [  # (title, y keys)
-    ("SFT training loss", ["train/loss"]),
-    ("Learning rate", ["train/learning_rate"]),
-    ("GRPO reward (mean and std)", ["train/reward", "train/reward_std"]),
-    ("GRPO KL to the reference", ["train/kl"]),
-    ("GRPO completion length", ["train/completions/mean_length"]),
-]
+from agentrl.report import STAGE_COLUMNS, STAGES, dvc_plots  # noqa: E402
 
 
-def build_report(project: str, entity: str, group: str | None = None, title: str | None = None):
+def wandb_key(file: str, column: str) -> tuple[str, str]:
+    """(W&B job type, W&B key) of one y column of a dvc.yaml plot; ValueError for a file with no known key."""
+    p = PurePosixPath(file)
+    if p.parts[:1] == ("dvclive",) and p.parts[2:4] == ("plots", "metrics") and p.suffix == ".tsv":
+        if column != p.stem:
+            raise ValueError(f"dvc.yaml plot {file}: column '{column}', expected '{p.stem}' (DVCLive's own)")
+        return p.parts[1], "train/" + PurePosixPath(*p.parts[4:]).with_suffix("").as_posix()
+    if p.parts[:1] == ("metrics",) and p.suffix == ".csv":  # one row per stage (compare.py)
+        return "eval", f"eval/{column}"
+    raise ValueError(
+        f"dvc.yaml plot {file}: no W&B key known (expected dvclive/<stage>/plots/metrics/*.tsv or metrics/*.csv)"
+    )
+
+
+def panel_specs(root: Path = ROOT) -> dict[str, list[tuple[str, str, list[str]]]]:
+    """{W&B job type: [(kind, title, keys)]}: the dvc.yaml plots, then a bar per report column not plotted yet."""
+    specs: dict[str, list[tuple[str, str, list[str]]]] = {}
+    for title, plot in dvc_plots(root):
+        found = [
+            wandb_key(file, col)
+            for file, cols in plot["y"].items()
+            for col in ([cols] if isinstance(cols, str) else cols)
+        ]
+        if len({job for job, _ in found}) != 1:
+            raise ValueError(f"dvc.yaml plot '{title}': its files come from different stages {found}")
+        kind = {"step": "line", "stage": "bar"}.get(plot.get("x"))
+        if kind is None:
+            raise ValueError(f"dvc.yaml plot '{title}': x is {plot.get('x')!r}; expected 'step' (a curve) or 'stage'")
+        specs.setdefault(found[0][0], []).append((kind, title, [key for _, key in found]))
+    plotted = {k for panels in specs.values() for _, _, keys in panels for k in keys}
+    specs.setdefault("eval", []).extend(
+        ("bar", f"{label.capitalize()} per stage", [f"eval/{key}"])
+        for key, (label, _) in STAGE_COLUMNS.items()
+        if f"eval/{key}" not in plotted
+    )
+    return specs
+
+
+# (title, W&B keys) of the training curves: what tests/test_training.py checks the stages really log
+TRAINING_PANELS = [(t, keys) for job, ps in panel_specs().items() if job != "eval" for kind, t, keys in ps]
+
+
+def build_report(project: str, entity: str, group: str | None = None, title: str | None = None, root: Path = ROOT):
     import wandb_workspaces.reports.v2 as wr
 
-    runset = wr.Runset(
-        entity=entity, project=project, name=group or "all runs", **({"filters": f"Group = '{group}'"} if group else {})
-    )
-    train_panels = [wr.LinePlot(title=t, x="Step", y=y) for t, y in TRAINING_PANELS]
-    eval_panels = [
-        wr.BarPlot(title="Held-out accuracy per stage", metrics=["eval/accuracy"], orientation="v"),
-        wr.BarPlot(title="Format rate per stage", metrics=["eval/format_rate"], orientation="v"),
-        wr.ScalarChart(title="Evaluation throughput (problems/s)", metric="eval/samples_per_second"),
+    def runset(job: str):
+        where = " and ".join([f"Group = '{group}'"] * bool(group) + [f"JobType = '{job}'"])
+        return wr.Runset(entity=entity, project=project, name=f"{group or 'all runs'}: {job}", filters=where)
+
+    def panel(kind: str, t: str, keys: list[str]):
+        if kind == "line":
+            return wr.LinePlot(title=t, x="train/global_step", y=keys)  # dvc.yaml's x: step (the optimizer step)
+        return wr.BarPlot(title=t, metrics=keys, orientation="v")
+
+    specs = panel_specs(root)
+    blocks = []
+    for job, panels in specs.items():
+        if job != "eval":
+            blocks += [
+                wr.H1(f"{job.upper()} training"),
+                wr.PanelGrid(runsets=[runset(job)], panels=[panel(*p) for p in panels]),
+            ]
+    blocks += [
+        wr.H1("Accuracy and tool use per stage"),
+        wr.P("Confidence intervals and the paired test GRPO - SFT: `make report` (reports/report.html)."),
+        wr.PanelGrid(runsets=[runset("eval")], panels=[panel(*p) for p in specs["eval"]]),
+        wr.H1("Example completions"),
+        wr.PanelGrid(
+            runsets=[runset("eval")],
+            panels=[wr.WeavePanelSummaryTable(table_name=f"eval/{s}/predictions") for s in STAGES],
+        ),
     ]
-    tables = [wr.WeavePanelSummaryTable(table_name=f"eval/{s}/predictions") for s in STAGES]
     return wr.Report(
         project=project,
         entity=entity,
         title=title or f"Agentic RL pipeline{f' - {group}' if group else ''}",
-        description="prepare -> base -> SFT -> GRPO on params.yaml; built by scripts/wandb_report.py",
-        blocks=[
-            wr.H1("Training curves"),
-            wr.P("SFT loss and learning rate; GRPO reward, KL and completion length per optimizer step."),
-            wr.PanelGrid(runsets=[runset], panels=train_panels),
-            wr.H1("Accuracy base -> SFT -> GRPO"),
-            wr.P(
-                "Held-out accuracy of each stage (greedy unless eval.temperature > 0); confidence intervals "
-                "and the paired test are in metrics/compare.json and reports/report.html."
-            ),
-            wr.PanelGrid(runsets=[runset], panels=eval_panels),
-            wr.H1("Example completions"),
-            wr.PanelGrid(runsets=[runset], panels=tables),
-        ],
+        description="prepare -> base -> SFT -> GRPO; panels from dvc.yaml plots, built by scripts/wandb_report.py",
+        blocks=blocks,
     )
 
 
@@ -99,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    report = (
-        build_report(project, a.entity, a.group, a.title)
-        if a.entity
-        else build_report(project, _default_entity(), a.group, a.title)
-    )
+    report = build_report(project, a.entity or _default_entity(), a.group, a.title)
     report.save()
     print(f"wandb_report: saved {report.url}")
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,17 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 
+# the tests' smallest Qwen3: one 32-wide layer (mini_params' model.tiny and tiny_lm's default)
+TINY_DIMS = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
+
+
 def raw_params() -> dict:
     from agentrl.config import load_yaml
 
@@ -31,14 +41,7 @@ def mini_params() -> dict:
     p = raw_params()
     p["data"]["synthetic"].update(num_train=200, num_test=24)
     p["data"]["eval_max_samples"] = None
-    p["model"]["tiny"].update(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
+    p["model"]["tiny"].update(TINY_DIMS)
     p["model"]["pretrain"].update(num_arithmetic_facts=200, epochs=1, batch_size=16)
     p["sft"]["use_lora"] = True  # the tests exercise the LoRA path of both stages
     p["sft"]["trainer"].update(
@@ -70,15 +73,7 @@ def tiny_lm(texts: list[str], vocab_size: int, seed: int = 0, **model_params):
     from agentrl.modeling import build_tiny_model, train_tokenizer
 
     tok = train_tokenizer(texts, vocab_size)
-    dims = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    return tok, build_tiny_model(tok, TinyModelParams(**{**dims, **model_params}), seed)
+    return tok, build_tiny_model(tok, TinyModelParams(**{**TINY_DIMS, **model_params}), seed)
 
 
 @pytest.fixture
@@ -95,37 +90,10 @@ def write_params(path: Path, params: dict) -> None:
 
 @pytest.fixture
 def copy_repo(tmp_path):
-    """A copy of the repository (code, dvc.yaml, params) as a fresh git repo."""
-    dst = tmp_path / "repo"
-    top_level = {
-        ".venv",
-        ".git",
-        "data",
-        "models",
-        "checkpoints",
-        "eval",
-        "metrics",
-        "dvclive",
-        "runs",
-        "wandb",
-        "reports",
-        "sweeps",
-        ".pytest_cache",
-        ".whl",
-        ".gl",
-    }
-    anywhere = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    """A copy of the repository (code, configs, dvc.yaml, params; no outputs, no DVC cache), not a git repo yet."""
+    from agentrl.testing import copy_repo
 
-    def ignore(directory, names):
-        skip = set(anywhere(directory, names))
-        if Path(directory) == ROOT:
-            skip |= top_level & set(names)
-        if Path(directory) == ROOT / ".dvc":
-            skip |= {"cache", "tmp"} & set(names)  # the copy starts with an empty cache
-        return skip
-
-    shutil.copytree(ROOT, dst, ignore=ignore)
-    return dst
+    return copy_repo(ROOT, tmp_path / "repo")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,10 @@ import csv
 import json
 
 import pytest
+import yaml
+
+from agentrl.common import HEADLINE, diagnostics_path, read_metrics, split_metrics, write_metrics
+from conftest import ROOT
 
 # correctness per problem id (10 problems): base 2 right, sft 4, grpo 8; sft -> grpo: 5 gained, 1 lost
 CORRECT = {
@@ -34,7 +38,9 @@ def test_compare_main_writes_paired_test_and_plot_csv(workdir, tools):
 
     write_evals(workdir, tools)
     compare.main()
-    out = json.loads((workdir / "metrics/compare.json").read_text())
+    headline = json.loads((workdir / "metrics/compare.json").read_text())
+    assert set(headline) <= set(HEADLINE["compare"]) and "grpo_vs_sft" not in headline  # details: diagnostics/
+    out = read_metrics(workdir / "metrics/compare.json")
     assert (out["base_accuracy"], out["sft_accuracy"], out["grpo_accuracy"]) == (0.2, 0.4, 0.8)
     assert out["sft_minus_base"] == pytest.approx(0.2) and out["grpo_minus_sft"] == pytest.approx(0.4)
     g = out["grpo_vs_sft"]
@@ -55,4 +61,38 @@ def test_compare_main_writes_paired_test_and_plot_csv(workdir, tools):
         assert list(csv.reader(f)) == [["stage", "accuracy"], ["base", "0.2"], ["sft", "0.4"], ["grpo", "0.8"]]
     # the seed of params.yaml seeds the bootstrap: the same inputs give the same interval
     compare.main()
-    assert json.loads((workdir / "metrics/compare.json").read_text())["ci95"] == out["ci95"]
+    assert read_metrics(workdir / "metrics/compare.json")["ci95"] == out["ci95"]
+
+
+def test_metrics_split_keeps_every_value_once_and_dvc_yaml_declares_both_files(tmp_path):
+    data = {
+        "accuracy": 0.5,
+        "accuracy_ci95": [0.4, 0.6],
+        "eval_seconds": 3.2,
+        "accuracy_by_steps": {"1": 1.0},
+        "tool_use_rate": 0.3,
+    }
+    head, rest = split_metrics("eval_sft", data)
+    assert head == {"accuracy": 0.5, "accuracy_ci95": [0.4, 0.6], "tool_use_rate": 0.3}
+    assert rest == {"eval_seconds": 3.2, "accuracy_by_steps": {"1": 1.0}}
+    nested = {"parameters": 10, "pretrain": {"final_loss": 1.5, "steps": 3}, "runtime_s": 2.0}
+    assert split_metrics("base", nested) == (
+        {"parameters": 10, "pretrain": {"final_loss": 1.5}},
+        {"pretrain": {"steps": 3}, "runtime_s": 2.0},
+    )
+    with pytest.raises(KeyError, match="no headline metrics defined for 'bench'"):
+        split_metrics("bench", {})
+    write_metrics(tmp_path / "metrics/eval_sft.json", data)
+    assert json.loads((tmp_path / "diagnostics/eval_sft.json").read_text()) == rest
+    assert read_metrics(tmp_path / "metrics/eval_sft.json") == data
+    # every stage that writes metrics/<name>.json declares it as a DVC metric and diagnostics/<name>.json as an output
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    declared = {}
+    for st in stages.values():
+        for m in st.get("metrics") or []:
+            f = next(iter(m)) if isinstance(m, dict) else m
+            outs = [next(iter(o)) if isinstance(o, dict) else o for o in st.get("outs") or []]
+            declared[f] = str(diagnostics_path(f)) in outs
+    stems = {f.split("/")[-1][: -len(".json")] for f in declared}
+    assert stems == set(HEADLINE) | {f"eval_{s}" for s in ("base", "sft", "grpo", "merged", "merged_int8")}
+    assert all(declared.values()), declared

@@ -4,6 +4,7 @@ import re
 import pytest
 
 from agentrl.answers import normalize_number
+from agentrl.common import read_metrics
 from agentrl.data import RawRow, check_rows, generate_synthetic, read_jsonl
 from conftest import GSM8K_TRAIN, mini_params, write_params
 
@@ -139,7 +140,7 @@ def test_prepare_outputs(workdir):
     assert [r["id"] for r in sft] == [r["id"] for r in rl]
     assert len({r["id"] for r in sft + test}) == 60
     assert {"id", "question", "ground_truth", "answer"} <= set(test[0])
-    assert json.loads((workdir / "metrics/prepare.json").read_text())["dropped"]["total"] == 0
+    assert read_metrics(workdir / "metrics/prepare.json")["dropped"]["total"] == 0
 
 
 def test_subset_is_seeded_random_not_first_n(workdir):

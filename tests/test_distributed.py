@@ -4,7 +4,6 @@ Each config runs the sft and grpo stage modules exactly as dvc.yaml does, then t
 and evaluated. Only rank 0 writes metrics and logs.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.common import read_metrics
 from conftest import ROOT, mini_params, write_params
 
 BIN = Path(sys.executable).parent
@@ -66,7 +66,7 @@ def test_two_process_sft_and_grpo(config, tmp_path, monkeypatch):
     grpo_run = launch(config, "agentrl.grpo", tmp_path)
 
     for stage, run in (("sft", sft_run), ("grpo", grpo_run)):
-        m = json.loads((tmp_path / f"metrics/{stage}_train.json").read_text())
+        m = read_metrics(tmp_path / f"metrics/{stage}_train.json")
         assert m["steps"] >= 1
         # really distributed: one trainer over 2 processes (not 2 independent single-process runs)
         assert m["num_processes"] == 2, m
@@ -77,7 +77,7 @@ def test_two_process_sft_and_grpo(config, tmp_path, monkeypatch):
         assert messages and len(messages) == len(set(messages)), run.stderr[-3000:]
         saved = [ln for ln in run.stderr.splitlines() if f"[{stage}] INFO" in ln and "saved models" in ln]
         assert len(saved) == 1, run.stderr[-3000:]
-    sft_m = json.loads((tmp_path / "metrics/sft_train.json").read_text())
+    sft_m = read_metrics(tmp_path / "metrics/sft_train.json")
     assert sft_m["effective_batch"] == 2 * p["sft"]["trainer"]["per_device_train_batch_size"]
     metrics = evaluate(params, "grpo")
     assert metrics["num_samples"] == p["data"]["synthetic"]["num_test"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agentrl.common import read_metrics
 from conftest import ROOT, mini_params, write_params
 
 BIN = str(Path(sys.executable).parent)
@@ -147,4 +148,4 @@ def test_changed_jsonl_source_reruns_prepare(copy_repo):
     with (copy_repo / "inputs/train.jsonl").open("a") as f:
         f.write(json.dumps(rows(50, 51)[0]) + "\n")
     assert dvc(["repro", "prepare"], copy_repo) == ["prepare"]
-    assert json.loads((copy_repo / "metrics/prepare.json").read_text())["raw"]["train"] == 21
+    assert read_metrics(copy_repo / "metrics/prepare.json")["raw"]["train"] == 21

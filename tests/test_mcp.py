@@ -108,7 +108,7 @@ def test_run_experiment_end_to_end_over_mcp(repo):
     run = payload(first)
     assert run["name"] == "bs4" and run["mode"] == "temp", run
     num_test = agent_api._read_params(repo)["data"]["synthetic"]["num_test"]
-    assert run["metrics"]["metrics/eval_grpo.json"]["num_samples"] == num_test
+    assert run["diagnostics"]["diagnostics/eval_grpo.json"]["num_samples"] == num_test
     assert 0.0 <= run["summary"]["grpo_accuracy"] <= 1.0
     stages_total = len(agent_api.stages(repo))
     assert progress[-1][:2] == (stages_total, stages_total) and any("stage grpo" in m for _, _, m in progress)

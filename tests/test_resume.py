@@ -1,12 +1,12 @@
 """A training stage killed midway resumes from its last checkpoint when re-run."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from agentrl.common import read_metrics
 from conftest import mini_params, write_params
 
 
@@ -45,7 +45,7 @@ def test_sft_killed_midway_resumes(workdir):
 
     r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    m = json.loads((workdir / "metrics/sft_train.json").read_text())
+    m = read_metrics(workdir / "metrics/sft_train.json")
     assert m["resumed_from"], "the re-run did not resume"
     assert int(m["resumed_from"].rsplit("-", 1)[1]) >= killed_at
     assert m["steps"] == 400
@@ -57,4 +57,4 @@ def test_sft_killed_midway_resumes(workdir):
     write_params(workdir / "params.yaml", p)
     r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((workdir / "metrics/sft_train.json").read_text())["resumed_from"] is None
+    assert read_metrics(workdir / "metrics/sft_train.json")["resumed_from"] is None

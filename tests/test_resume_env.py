@@ -3,7 +3,6 @@ configuration (accelerate config contents, process count, launch settings, resol
 file of every input model; a resumed run reports its own segment's speed, its DVCLive curves hold every
 step, and a `make repro` checkout then trains under ZeRO-2 / DDP from scratch instead of crashing."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agentrl.testing import copy_repo
 from conftest import ROOT, mini_params, write_params
 
 BIN = Path(sys.executable).parent
@@ -141,10 +141,10 @@ def test_repro_then_zero2_and_ddp_train_from_scratch(workdir):
     """`make repro` (single process) followed by `make train-zero2 NPROC=2` and `make train-ddp NPROC=2` in the
     same checkout: each trains from scratch under its config (it crashed: DeepSpeed could not load the
     single-process checkpoint the old fingerprint let it "resume")."""
-    from agentrl import base, prepare
+    from agentrl import base, common, prepare
     from agentrl.config import load_params
 
-    shutil.copytree(ROOT / "configs", workdir / "configs")
+    copy_repo(ROOT, workdir, only=("configs",))
     p = mini_params()
     write_params(workdir / "params.yaml", p)
     params = load_params()
@@ -157,7 +157,7 @@ def test_repro_then_zero2_and_ddp_train_from_scratch(workdir):
         write_params(workdir / "params.yaml", p)
         for stage in ("sft", "grpo"):
             _launch(config, f"agentrl.{stage}", workdir)
-            m = json.loads((workdir / f"metrics/{stage}_train.json").read_text())
+            m = common.read_metrics(workdir / f"metrics/{stage}_train.json")
             assert m["resumed_from"] is None and m["num_processes"] == 2, (config, stage, m)
             assert m["distributed_type"] == ("DEEPSPEED" if config == "zero2.yaml" else "MULTI_CPU"), m
     assert yaml.safe_load((workdir / "params.yaml").read_text())["distributed"]["num_processes"] == 2

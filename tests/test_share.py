@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agentrl.testing import free_port, wait_healthy
 from conftest import ROOT, mini_params
 
 BIN = Path(sys.executable).parent
@@ -203,9 +203,10 @@ def fake_run(tmp: Path, *, tools: bool = True, int8: bool = True) -> dict:
             else {"quantize": "none", "merged_accuracy": 0.4583}
         ),
     }
-    (tmp / "metrics").mkdir(exist_ok=True)
-    for name, data in m.items():
-        (tmp / "metrics" / f"{name}.json").write_text(json.dumps(data))
+    from agentrl.common import write_metrics
+
+    for name, data in m.items():  # headline keys to metrics/, the rest to diagnostics/, as the stages write them
+        write_metrics(tmp / "metrics" / f"{name}.json", data)
     merged = tmp / "models/merged"
     merged.mkdir(parents=True, exist_ok=True)
     (merged / "model.safetensors").write_bytes(b"weights of this run")
@@ -411,12 +412,6 @@ def tree(directory: Path) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_clone_and_pull_reproduces_the_pushed_run_without_retraining(copy_repo, tmp_path, monkeypatch):
     """Pipeline in copy A -> make push -> fresh git clone B -> make pull: dvc status clean, dvc repro runs no stage,
@@ -487,14 +482,10 @@ def test_clone_and_pull_reproduces_the_pushed_run_without_retraining(copy_repo, 
         start_new_session=True,
     )
     try:
-        deadline, health = time.time() + 180, None
-        while time.time() < deadline and server.poll() is None:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-                break
-            except httpx.HTTPError:
-                time.sleep(1)
-        assert health, (tmp_path / "serve.log").read_text()[-3000:]
+        try:
+            health = wait_healthy(server, f"http://127.0.0.1:{port}", 180)
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{(tmp_path / 'serve.log').read_text()[-3000:]}")
         assert Path(str(health.get("model_path", health.get("path", "")))).name == "merged", health
         r = httpx.post(
             f"http://127.0.0.1:{port}/generate",

@@ -1,7 +1,10 @@
-"""Sweeps over `dvc exp` end to end in a temporary copy of the repository (miniature config)."""
+"""Sweeps (scripts/sweep.py): the space file's checks, and grid / random / optuna end to end over `dvc exp` in a
+temporary copy of the repository (miniature config, slow)."""
 
+import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +12,60 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import mini_params
+from conftest import ROOT, mini_params
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import sweep  # noqa: E402
 
 BIN = str(Path(sys.executable).parent)
-pytestmark = pytest.mark.slow
+LR, R, BETA = "grpo.trainer.learning_rate", "grpo.lora.r", "grpo.trainer.beta"
+SPACE = {
+    "objective": {"metric": "metrics/eval_grpo.json", "key": "accuracy", "direction": "maximize"},
+    "fixed": {"grpo.trainer.max_steps": 1},  # set in every trial, not searched (the miniature baseline has 2)
+    "grid": {LR: [1e-4, 3e-4], R: [8], BETA: [0.0]},
+    "random": {
+        LR: {"type": "loguniform", "low": 1e-4, "high": 1e-3},
+        R: {"type": "categorical", "choices": [4, 8]},
+        BETA: {"type": "uniform", "low": 0.0, "high": 0.05},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "kind, edit, error",
+    [
+        ("grid", lambda s: s.pop("grid"), "missing or empty section 'grid'"),
+        ("optuna", lambda s: s.pop("random"), "missing or empty section 'random'"),
+        ("grid", lambda s: s.update(gird=s.pop("grid")), "unknown section(s) ['gird']"),
+        ("grid", lambda s: s["random"][R].update(type="normal"), f"random.{R} needs a 'type'"),
+        ("random", lambda s: s["random"][BETA].pop("high"), f"random.{BETA} (uniform) lacks ['high']"),
+        ("grid", lambda s: s["objective"].pop("key"), "objective needs 'metric'"),
+        ("grid", lambda s: s["objective"].update(direction="up"), "objective.direction must be"),
+        ("grid", lambda s: s["grid"].update({R: 8}), f"grid.{R} must be a non-empty list"),
+        ("grid", lambda s: s["fixed"].update({R: 8}), "both fixed and searched"),
+    ],
+)
+def test_space_errors_name_the_file_and_key(tmp_path, kind, edit, error):
+    space = copy.deepcopy(SPACE)
+    edit(space)
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    with pytest.raises(SystemExit, match=re.escape(f"{path}: ") + ".*" + re.escape(error)):
+        sweep.load_space(str(path), kind)
+
+
+def test_valid_space_and_its_optuna_distributions(tmp_path):
+    import optuna
+
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in SPACE.items() if k not in ("grid", "fixed")}))
+    space = sweep.load_space(str(path), "random")  # no grid and no fixed: fine for a random search
+    assert space["fixed"] == {}
+    trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
+    point = sweep.suggest(trial, space["random"])
+    assert 1e-4 <= point[LR] <= 1e-3 and point[R] in (4, 8) and 0.0 <= point[BETA] <= 0.05, point
+    assert trial.distributions[LR].log and not trial.distributions[BETA].log
+    assert [sweep.value(v) for v in (1e-4, 8, True, None, "a b")] == ["0.0001", "8", "true", "null", '"a b"']
 
 
 def run(cmd, cwd):
@@ -36,17 +89,7 @@ def baseline(copy_repo):
     p = mini_params()
     p["tracking"]["report_to"] = ["dvclive"]
     (copy_repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
-    space = {
-        "objective": {"metric": "metrics/eval_grpo.json", "key": "accuracy", "direction": "maximize"},
-        "fixed": {"grpo.trainer.max_steps": 1},  # set in every trial, not searched
-        "grid": {"grpo.trainer.learning_rate": [1e-4, 3e-4], "grpo.lora.r": [8], "grpo.trainer.beta": [0.0]},
-        "random": {
-            "grpo.trainer.learning_rate": {"type": "loguniform", "low": 1e-4, "high": 1e-3},
-            "grpo.lora.r": {"type": "categorical", "choices": [4, 8]},
-            "grpo.trainer.beta": {"type": "uniform", "low": 0.0, "high": 0.05},
-        },
-    }
-    (copy_repo / "configs/sweeps/mini.yaml").write_text(yaml.safe_dump(space))
+    (copy_repo / "configs/sweeps/mini.yaml").write_text(yaml.safe_dump(SPACE))
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     run(["git", "init", "-q"], copy_repo)
     run(git + ["add", "-A"], copy_repo)
@@ -57,39 +100,40 @@ def baseline(copy_repo):
     return copy_repo
 
 
-def test_grid_and_optuna_sweeps(baseline):
-    out = run(
-        [sys.executable, "scripts/sweep.py", "grid", "--space", "configs/sweeps/mini.yaml", "--name", "g"], baseline
-    )
-    best = json.loads((baseline / "sweeps/g/best.json").read_text())
-    assert best["trials"] == 2 and best["finished_experiments"] == 2
-    assert best["params"]["grpo.trainer.learning_rate"] in (1e-4, 3e-4)
-    assert "dvc exp apply" in best["apply"] and "best accuracy" in out
-    run(
-        [
-            sys.executable,
-            "scripts/sweep.py",
-            "optuna",
-            "--space",
-            "configs/sweeps/mini.yaml",
-            "--trials",
-            "2",
-            "--name",
-            "o",
-        ],
-        baseline,
-    )
-    best = json.loads((baseline / "sweeps/o/best.json").read_text())
-    assert best["trials"] == 2 and best["finished_experiments"] == 2
-    assert (baseline / "sweeps/o/study.db").exists()
-    shown = run(["dvc", "exp", "show", "--json"], baseline)
-    assert shown.count("eval_grpo.json") >= 4
-    exps = [e for b in json.loads(shown) for e in (b.get("experiments") or [])]
-    steps = [
-        r["data"]["params"]["params.yaml"]["data"]["grpo"]["trainer"]["max_steps"] for e in exps for r in e["revs"]
-    ]
-    assert steps and set(steps) == {1}, steps  # the space's `fixed` section reached every trial
-    # no trial retrained SFT (queued runs included): every experiment carries the baseline's SFT metrics
-    sft = [r["data"]["metrics"]["metrics/sft_train.json"]["data"]["runtime_s"] for e in exps for r in e["revs"]]
-    baseline_sft = json.loads((baseline / "metrics/sft_train.json").read_text())["runtime_s"]
-    assert len(sft) == 4 and set(sft) == {baseline_sft}, (sft, baseline_sft)
+def column(row: dict, file: str, key: str):
+    """A value of a `dvc.api.exp_show` row: the column is `key` alone when no other file has that key."""
+    return row[f"{file}:{key}"] if f"{file}:{key}" in row else row[key]
+
+
+@pytest.mark.slow
+def test_grid_random_and_optuna_sweeps(baseline):
+    import dvc.api
+
+    def search(*args):
+        return run([sys.executable, "scripts/sweep.py", *args, "--space", "configs/sweeps/mini.yaml"], baseline)
+
+    out = {
+        "g": search("grid", "--name", "g"),
+        "r": search("random", "-n", "2", "--jobs", "2", "--name", "r"),
+        "o": search("optuna", "--trials", "2", "--name", "o"),
+    }
+    assert (baseline / "sweeps/r/study.db").exists() and (baseline / "sweeps/o/study.db").exists()
+    rows = [r for r in dvc.api.exp_show(repo=str(baseline)) if r["Experiment"]]
+    assert len(rows) == 6 and {r["State"] for r in rows} == {"Success"}, rows
+    for name, section in (("g", "grid"), ("r", "random"), ("o", "random")):
+        best = json.loads((baseline / f"sweeps/{name}/best.json").read_text())
+        mine = {r["Experiment"]: r for r in rows if r["Experiment"].startswith(f"{name}-")}
+        assert best["trials"] == best["finished_experiments"] == len(mine) == 2 and not best["failed_experiments"]
+        accuracy = {n: column(r, "metrics/eval_grpo.json", "accuracy") for n, r in mine.items()}
+        assert best["best_experiment"] in mine and best["accuracy"] == max(accuracy.values()), (best, accuracy)
+        assert best["apply"] == f"dvc exp apply {best['best_experiment']}" and "best accuracy" in out[name]
+        assert sorted(best["params"]) == sorted(SPACE[section])  # the searched keys, with the best trial's values
+        assert all(column(mine[best["best_experiment"]], "params.yaml", k) == v for k, v in best["params"].items())
+    assert best["params"][R] in (4, 8) and 1e-4 <= best["params"][LR] <= 1e-3
+    # the space's `fixed` section reached every trial
+    assert {column(r, "params.yaml", "grpo.trainer.max_steps") for r in rows} == {1}
+    # no trial retrained SFT: each experiment's own log (every trial runs in the DVC queue) shows GRPO trained
+    # and SFT skipped (unchanged or restored from the run cache)
+    for name in (r["Experiment"] for r in rows):
+        log = run(["dvc", "queue", "logs", name], baseline)
+        assert "Running stage 'grpo'" in log and "Running stage 'sft'" not in log, (name, log[-3000:])

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.common import read_metrics
 from conftest import mini_params, tiny_lm, write_params
 
 
@@ -76,7 +77,7 @@ def test_sft_lowers_loss_and_writes_loadable_adapter(trained, monkeypatch):
     base_model, _ = load_policy("base")
     with torch.no_grad():  # the loaded adapter is applied: the SFT policy is not the base model
         assert not torch.allclose(model(**enc).logits, base_model(**enc).logits)
-    saved = json.loads((trained["dir"] / "metrics/sft_train.json").read_text())
+    saved = read_metrics(trained["dir"] / "metrics/sft_train.json")
     assert saved["steps"] == 6 and saved["runtime_s"] > 0
     # DVCLive's x axis is the optimizer step (logging_steps 1 here: steps 1..6, not log indices 0..5)
     rows = (trained["dir"] / "dvclive/sft/plots/metrics/loss.tsv").read_text().splitlines()[1:]
@@ -137,8 +138,8 @@ def test_evaluation_and_export_on_trained_model(trained, monkeypatch):
     assert q["int8_backend"] == ("bitsandbytes" if torch.cuda.is_available() else "torch_dynamic")
     if not torch.cuda.is_available():  # the int8 evaluation ran on dynamically quantized Linear layers
         assert any(isinstance(mod, torch.ao.nn.quantized.dynamic.Linear) for mod in loaded[0].modules())
-    int8 = json.loads(Path("metrics/eval_merged_int8.json").read_text())
-    full = json.loads(Path("metrics/eval_merged.json").read_text())
+    int8 = read_metrics("metrics/eval_merged_int8.json")
+    full = read_metrics("metrics/eval_merged.json")
     assert int8["quantize"] == "int8" and full["quantize"] == "none"
     assert q["int8_accuracy"] == int8["accuracy"] and q["merged_accuracy"] == full["accuracy"]
     assert q["accuracy_delta"] == pytest.approx(int8["accuracy"] - full["accuracy"])
@@ -159,7 +160,7 @@ def test_evaluate_cli_quantize_int8_evaluates_the_quantized_policy(trained, monk
     assert len(quantized) == 1
     if not torch.cuda.is_available():
         assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in quantized[0].modules())
-    m = json.loads((trained["dir"] / "metrics/eval_grpo_int8.json").read_text())
+    m = read_metrics(trained["dir"] / "metrics/eval_grpo_int8.json")
     assert m["quantize"] == "int8" and m["stage"] == "grpo" and m["num_samples"] == 24
     rows = (trained["dir"] / "eval/grpo_int8/predictions.jsonl").read_text().splitlines()
     assert len(rows) == 24
@@ -189,7 +190,7 @@ def test_export_fails_when_the_merged_model_differs(trained, tmp_path, monkeypat
     with pytest.raises(SystemExit) as exit_info:
         export.main()
     assert exit_info.value.code == 1
-    m = json.loads((work / "metrics/export.json").read_text())
+    m = read_metrics(work / "metrics/export.json")
     assert m["passed"] is False and m["max_abs_logit_diff"] > m["tolerance"], m
 
 
@@ -216,7 +217,10 @@ def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
     ]  # TRL logs kl only when beta > 0
     assert logged and all(k.encode() in blob for k in logged), [k for k in logged if k.encode() not in blob]
     # evaluation logged its per-sample predictions as a wandb.Table
-    assert [t for r in runs for t in r.rglob("*.table.json")], "no predictions table in the offline runs"
+    tables = [t for r in runs for t in r.rglob("*.table.json")]
+    assert tables, "no predictions table in the offline runs"
+    # with each prediction's tool calls (a column W&B's report shows beside the completion)
+    assert all(json.loads(t.read_text())["columns"][-1] == "tool_calls" for t in tables)
 
 
 def test_hub_base_model_path_records_resolved_commit(workdir, monkeypatch):

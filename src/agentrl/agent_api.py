@@ -138,11 +138,16 @@ def _metrics_files(root: Path) -> list[str]:
     return [m for s in stages(root) for m in s["metrics"]]
 
 
-def _read_metrics(root: Path, rev: Optional[str]) -> dict:
-    """{metrics file: its JSON} of the workspace (rev None) or of a git revision / experiment."""
+def _read_metrics(root: Path, rev: Optional[str], diagnostics: bool = False) -> dict:
+    """{metrics file: its JSON} of the workspace (rev None) or of a git revision / experiment; with
+    `diagnostics`, the stages' diagnostics/<name>.json outputs instead (timings, memory, histograms)."""
+    if diagnostics:
+        files = [o for s in stages(root) for o in s["outs"] if o.startswith("diagnostics/")]
+    else:
+        files = _metrics_files(root)
     out: dict = {}
     if rev is None:
-        for f in _metrics_files(root):
+        for f in files:
             p = root / f
             if p.exists():
                 out[f] = json.loads(p.read_text())
@@ -150,7 +155,7 @@ def _read_metrics(root: Path, rev: Optional[str]) -> dict:
     from dvc.api import DVCFileSystem
 
     fs = DVCFileSystem(str(root), rev=rev)
-    for f in _metrics_files(root):
+    for f in files:
         try:
             out[f] = json.loads(fs.read_text(f))
         except FileNotFoundError:
@@ -521,6 +526,7 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
                 "seconds": round(time.time() - t0, 1),
                 "summary": _summary(metrics),
                 "metrics": metrics,
+                "diagnostics": _read_metrics(r, rev, diagnostics=True),
             }
     finally:
         run.close()

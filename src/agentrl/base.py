@@ -24,7 +24,7 @@ from .common import (
     precision_kwargs,
     resolve_precision,
     torch_dtype,
-    write_json,
+    write_metrics,
 )
 from .config import Params, load_params_or_exit
 from .data import MULTIPLIER_MAX, load_jsonl
@@ -180,12 +180,7 @@ def from_hub(params: Params) -> dict:
 
 
 def load_tokenizer_hub(name: str, revision: str):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(name, revision=revision)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    return load_tokenizer(name, revision)  # a function of its own: the tests replace it (no hub access)
 
 
 def main() -> None:
@@ -196,7 +191,7 @@ def main() -> None:
     info["runtime_s"] = round(time.time() - t0, 2)
     load_tokenizer(STAGE_DIRS["base"])  # fail here, not downstream, if the saved tokenizer is unusable
     info["peak_rss_mb"] = peak_rss_mb()
-    write_json(METRICS, info)
+    write_metrics(METRICS, info)
     log.info("saved %s (%.1fs)", STAGE_DIRS["base"], info["runtime_s"])
 
 

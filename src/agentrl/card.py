@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .common import get_logger, model_files_digest, read_json
+from .common import atomic_write, diagnostics_path, get_logger, model_files_digest, read_metrics
 from .config import Params, load_params_or_exit
 
 log = get_logger("card")
@@ -63,14 +63,16 @@ class PublishError(RuntimeError):
 
 
 def _read(path: str) -> dict:
-    if not Path(path).exists():
-        raise FileNotFoundError(f"{path}: not found; the card reports it (run the stage that writes it: dvc repro)")
-    return read_json(path)
+    """A stage's headline metrics and its diagnostics, merged."""
+    for f in (Path(path), diagnostics_path(path)):
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: not found; the card reports it (run the stage that writes it: dvc repro)")
+    return read_metrics(path)
 
 
 def git_state() -> dict:
     """The commit of the code that ran, and the tracked files that differed from it then (the run's own
-    results, dvc.lock and metrics/, are left out: `dvc repro` rewrites them as it goes)."""
+    results, dvc.lock, metrics/ and diagnostics/, are left out: `dvc repro` rewrites them as it goes)."""
 
     def git(*args: str) -> Optional[str]:
         r = subprocess.run(["git", *args], capture_output=True, text=True)
@@ -79,7 +81,7 @@ def git_state() -> dict:
     commit = git("rev-parse", "HEAD")
     if commit is None:
         return {"commit": None, "changed": []}
-    changed = git("diff", "--name-only", "HEAD", "--", ".", ":!dvc.lock", ":!metrics") or ""
+    changed = git("diff", "--name-only", "HEAD", "--", ".", ":!dvc.lock", ":!metrics", ":!diagnostics") or ""
     return {"commit": commit, "changed": sorted(line for line in changed.splitlines() if line.strip())}
 
 
@@ -334,10 +336,8 @@ def write_card(params: Params, path: Path = CARD) -> Path:
     from huggingface_hub import ModelCard
 
     ModelCard(text)  # parses the metadata back: a card that does not render is an error here, not on the hub
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    with atomic_write(path) as f:
+        f.write(text)
     log.info("model card written to %s", path)
     return path
 

@@ -6,8 +6,9 @@ import json
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, TextIO
 
 import torch
 
@@ -32,17 +33,109 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Atomic JSON write (tmp + rename) so an interrupted stage never leaves a broken metrics file."""
+@contextmanager
+def atomic_write(path: str | Path) -> Iterator[TextIO]:
+    """Open `path` for writing UTF-8 text, atomically: the text goes to <path>.tmp, which replaces `path` when
+    the block ends (and is removed when it raises), so a crash never leaves a half-written file in its place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            yield f
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Atomic JSON write so an interrupted stage never leaves a broken metrics file."""
+    with atomic_write(path) as f:
+        f.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+# Headline metrics: what `dvc metrics show` / `dvc exp show` print (metrics/<name>.json, declared as DVC metrics).
+# Everything else a stage measures (timings, memory, histograms, per-pair details) goes to diagnostics/<name>.json,
+# a plain output: `dvc metrics show diagnostics/<name>.json` reads it. Dotted keys reach into nested dicts;
+# every eval_<name> file (base, sft, grpo, merged, merged_int8, ...) has the evaluation headline.
+_EVAL_HEADLINE = (
+    "accuracy",
+    "accuracy_ci95",
+    "average_reward",
+    "tool_use_rate",
+    "tool_calls_per_problem",
+    "tool_error_rate",
+)
+HEADLINE: dict[str, tuple[str, ...]] = {
+    "prepare": ("written", "tool_solution_share"),
+    "base": ("parameters", "pretrain.final_loss"),
+    "sft_train": ("final_loss", "steps"),
+    "grpo_train": ("reward_last", "reward_mean_last_20pct", "tool_use_rate_last", "steps"),
+    "compare": (
+        "base_accuracy",
+        "sft_accuracy",
+        "grpo_accuracy",
+        "grpo_minus_sft",
+        "ci95",
+        "p_value",
+        "sft_tool_use_rate",
+        "grpo_tool_use_rate",
+    ),
+    "export": ("max_abs_logit_diff", "passed"),
+    "quantize": ("int8_accuracy", "accuracy_delta", "int8_speed_ratio"),
+}
+
+
+def diagnostics_path(metrics_path: str | Path) -> Path:
+    """metrics/<name>.json -> diagnostics/<name>.json (a sibling folder of metrics/)."""
+    p = Path(metrics_path)
+    return p.parent.parent / "diagnostics" / p.name
+
+
+def split_metrics(name: str, data: dict) -> tuple[dict, dict]:
+    """(headline, diagnostics) of one stage's measurements, by HEADLINE[name]; nothing is lost or repeated."""
+    keys = HEADLINE.get(name) or (_EVAL_HEADLINE if name.startswith("eval_") else None)
+    if keys is None:
+        raise KeyError(f"no headline metrics defined for '{name}' (one of {sorted(HEADLINE)}; see common.HEADLINE)")
+    rest = json.loads(json.dumps(data))  # a deep copy
+    head: dict = {}
+    for dotted in keys:
+        *parents, leaf = dotted.split(".")
+        src, dst = rest, head
+        for k in parents:
+            if not isinstance(src.get(k), dict):
+                break
+            src, dst = src[k], dst.setdefault(k, {})
+        else:
+            if leaf in src:
+                dst[leaf] = src.pop(leaf)
+    return head, rest
+
+
+def write_metrics(path: str | Path, data: dict) -> None:
+    """Write a stage's measurements: headline keys to `path` (metrics/<name>.json), the rest to diagnostics/."""
+    head, rest = split_metrics(Path(path).stem, data)
+    write_json(diagnostics_path(path), rest)
+    write_json(path, head)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_metrics(path: str | Path) -> dict:
+    """A stage's headline metrics and diagnostics as one dict (what `write_metrics` was given)."""
+    diag = diagnostics_path(path)
+    if not diag.exists():
+        raise FileNotFoundError(f"{diag}: missing (written with {path} by the stage that makes it; run `dvc repro`)")
+    return _merge(read_json(diag), read_json(path))
 
 
 def peak_rss_mb() -> float:

@@ -13,7 +13,7 @@ import math
 import random
 from pathlib import Path
 
-from .common import get_logger, read_json, write_json
+from .common import get_logger, read_json, write_metrics
 from .config import load_params_or_exit
 from .data import load_jsonl
 
@@ -83,7 +83,7 @@ def main() -> None:
         # tool use before/after GRPO (absent when the pipeline runs without tools)
         **{f"{s}_{k}": evals[s][k] for s in ("sft", "grpo") for k in TOOL_KEYS if k in evals[s]},
     }
-    write_json("metrics/compare.json", out)
+    write_metrics("metrics/compare.json", out)
     with open("metrics/accuracy_by_stage.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["stage", "accuracy"])

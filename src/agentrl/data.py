@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from .answers import normalize_number, strip_calculator_annotations
+from .common import atomic_write
 
 # ------------------------------------------------------------------------- synthetic generator
 NAMES = [
@@ -387,16 +388,13 @@ def test_record(ex: Example, system_prompt: str) -> dict:
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
-    """Atomic write: a crash never leaves a half-written file in place of an earlier result."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    """Atomic write (common.atomic_write): a crash never leaves a half-written file in place of an earlier
+    result. Returns the number of records written."""
     n = 0
-    with tmp.open("w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
             n += 1
-    tmp.replace(path)
     return n
 
 

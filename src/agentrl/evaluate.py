@@ -21,7 +21,7 @@ import torch
 
 from .agent import Rollout, generate_with_tools, tool_stats
 from .answers import answers_match, extract_answer, normalize_number
-from .common import get_logger, peak_rss_mb, torch_dtype, write_json
+from .common import get_logger, peak_rss_mb, torch_dtype, write_metrics
 from .config import Params, load_params_or_exit
 from .data import load_jsonl, write_jsonl
 from .rewards import build_rewards
@@ -225,7 +225,7 @@ def evaluate(
     )
     write_jsonl(Path("eval") / name / "predictions.jsonl", preds)
     metrics["peak_rss_mb"] = peak_rss_mb()
-    write_json(f"metrics/eval_{name}.json", metrics)
+    write_metrics(f"metrics/eval_{name}.json", metrics)
     if log_to_trackers:
         from .tracking import log_eval_to_wandb
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .common import get_logger, peak_rss_mb, write_json
+from .common import get_logger, peak_rss_mb, write_metrics
 from .config import Params, load_params_or_exit
 from .data import load_jsonl
 from .evaluate import evaluate, generate
@@ -73,7 +73,7 @@ def export(params: Params) -> dict:
         "passed": diff <= params.export.max_abs_logit_diff and same == len(prompts),
     }
     metrics["peak_rss_mb"] = peak_rss_mb()
-    write_json(METRICS, metrics)
+    write_metrics(METRICS, metrics)
     if not metrics["passed"]:
         raise ExportVerificationError(
             f"merge verification failed: max |logit diff| {diff:.3g} (tolerance {params.export.max_abs_logit_diff:g}), "
@@ -112,11 +112,11 @@ def quantized_eval(params: Params) -> dict:
             }
         )
     else:  # keep the stage's declared outputs, saying why they are empty
-        write_json("metrics/eval_merged_int8.json", {"skipped": "export.quantize is none"})
+        write_metrics("metrics/eval_merged_int8.json", {"skipped": "export.quantize is none"})
         skipped = Path("eval/merged_int8")
         skipped.mkdir(parents=True, exist_ok=True)
         (skipped / "SKIPPED.txt").write_text("export.quantize is none\n")
-    write_json("metrics/quantize.json", out)
+    write_metrics("metrics/quantize.json", out)
     return out
 
 

@@ -51,6 +51,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    return wrap_tokenizer(tok)
+
+
+def wrap_tokenizer(tok) -> PreTrainedTokenizerFast:
+    """A `tokenizers.Tokenizer` with SPECIAL_TOKENS as the project's transformers tokenizer: eos <|im_end|>,
+    pad <|endoftext|>, no bos/unk, the Qwen-style chat template, left padding."""
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -89,8 +95,9 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, p: TinyModelParams, see
 
 
 # ---------------------------------------------------------------------------------- loading
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    tok = AutoTokenizer.from_pretrained(str(path))
+def load_tokenizer(path: str | Path, revision: Optional[str] = None) -> PreTrainedTokenizerFast:
+    """A saved tokenizer (a directory, or a hub name at `revision`) with a pad token and left padding."""
+    tok = AutoTokenizer.from_pretrained(str(path), revision=revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -194,7 +201,7 @@ def save_stage_result(trainer, tokenizer, out_dir: Path, metrics_path: str, metr
     save_model runs on every rank (ZeRO-3 gathers the shards there); the rest on rank 0 only."""
     import shutil
 
-    from .common import is_main_process, write_json
+    from .common import is_main_process, write_metrics
 
     if is_main_process() and out_dir.exists():
         shutil.rmtree(out_dir)  # no stale adapter/full-model files from an earlier run
@@ -202,4 +209,4 @@ def save_stage_result(trainer, tokenizer, out_dir: Path, metrics_path: str, metr
     if is_main_process():
         tokenizer.padding_side = "left"  # generation pads left
         tokenizer.save_pretrained(out_dir)
-        write_json(metrics_path, metrics)
+        write_metrics(metrics_path, metrics)

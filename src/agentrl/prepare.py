@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 from .answers import strip_calculator_annotations
-from .common import get_logger, peak_rss_mb, write_json
+from .common import get_logger, peak_rss_mb, write_metrics
 from .config import DataParams, Params, load_params_or_exit
 from .data import (
     RawRow,
@@ -171,7 +171,7 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
         "steps_histogram_test": dict(sorted(collections.Counter(str(e.steps) for e in test_ex).items())),
     }
     metrics["peak_rss_mb"] = peak_rss_mb()
-    write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics)
     log.info("wrote %d sft/rl train and %d test rows to %s", n_sft, n_test, out_dir)
     return metrics
 

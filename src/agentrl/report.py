@@ -1,198 +1,212 @@
-"""`make report`: reports/report.html and reports/report.md with PNG plots, readable offline.
+"""`make report`: reports/report.html, what `dvc plots show` cannot draw.
 
-Plots: SFT loss, GRPO reward and KL, accuracy base -> SFT -> GRPO with 95% intervals, accuracy by
-problem difficulty (reasoning steps), plus example completions before/after GRPO. Works from the
-files the pipeline writes (metrics/, dvclive/, eval/); missing inputs are listed, not hidden.
+The curves (SFT loss, GRPO reward, tool use, accuracy per stage: the `plots:` of dvc.yaml) are `dvc plots show`
+(`dvc plots diff <exp>` across experiments). This report adds the accuracy per stage with its 95% interval,
+the comparison table (accuracy, interval, tool use per stage; GRPO - SFT with its paired CI and McNemar p) and
+example completions that SFT got wrong and GRPO right (and the reverse) with their tool calls. Its inputs are
+headline metrics (metrics/eval_<stage>.json, metrics/compare.json) and eval/<stage>/predictions.jsonl; a
+missing one is an error naming the file and the `dvc repro` stage that writes it.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import html
 import json
+import sys
 from pathlib import Path
 
+import jinja2
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 STAGES = ("base", "sft", "grpo")
+# the per-stage columns of the comparison table: headline keys of metrics/eval_<stage>.json (also the W&B bars)
+STAGE_COLUMNS = {  # key: (label, format)
+    "accuracy": ("accuracy", "{:.1%}"),
+    "tool_use_rate": ("tool use rate", "{:.1%}"),
+    "tool_calls_per_problem": ("tool calls per problem", "{:.2f}"),
+}
+TOOL_KEYS = ("tool_use_rate", "tool_calls_per_problem")  # absent when the pipeline runs without tools
+COMPARE_KEYS = ("grpo_minus_sft", "ci95", "p_value")
+PRED_KEYS = ("id", "question", "completion", "extracted", "ground_truth", "correct")
+EXAMPLES = {"fixed by GRPO": 3, "broken by GRPO": 2}  # how many of each kind
 
 
-def read_tsv(path: Path, column: str) -> tuple[list[float], list[float]]:
+class MissingInputs(FileNotFoundError):
+    """Report inputs not there yet; the message names each file and the stage that writes it."""
+
+
+def inputs() -> dict[str, str]:
+    """Each input file -> the dvc.yaml stage that writes it."""
+    files = {"metrics/compare.json": "compare"}
+    for s in STAGES:
+        files[f"metrics/eval_{s}.json"] = f"eval_{s}"
+        files[f"eval/{s}/predictions.jsonl"] = f"eval_{s}"
+    return files
+
+
+def dvc_plots(root: Path = Path(".")) -> list[tuple[str, dict]]:
+    """The top-level `plots:` of dvc.yaml as (title, definition): the one list of curves (`dvc plots show`)."""
+    path = root / "dvc.yaml"
     if not path.exists():
-        return [], []
-    with path.open() as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    return [float(r["step"]) for r in rows], [float(r[column]) for r in rows]
+        raise MissingInputs(f"{path}: missing (run from the repository root)")
+    out = []
+    for entry in yaml.safe_load(path.read_text()).get("plots") or []:
+        if not (isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict)):
+            raise ValueError(f"{path}: plots entry {entry!r}: expected '- <title>: {{x: ..., y: {{<file>: <col>}}}}'")
+        out.append(next(iter(entry.items())))
+    return out
 
 
-def _line(ax, xs, ys, label):
-    if xs:
-        ax.plot(xs, ys, label=label)
+def _need(data: dict, key: str, where: str, stage: str, expected: str = "a number"):
+    if key not in data:
+        raise ValueError(f"{where}: no '{key}' (expected {expected}; rerun `dvc repro {stage}`)")
+    return data[key]
+
+
+def _interval(data: dict, key: str, where: str, stage: str) -> tuple[float, float]:
+    v = _need(data, key, where, stage, "[low, high]")
+    if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v) and v[0] <= v[1]):
+        raise ValueError(f"{where}: '{key}' is {v!r}; expected [low, high] with low <= high")
+    return v[0], v[1]
+
+
+def _json(path: Path, stage: str, text: str | None = None):
+    try:
+        return json.loads(path.read_text(encoding="utf-8") if text is None else text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rerun `dvc repro {stage}`") from None
+
+
+def _predictions(path: Path, stage: str) -> dict[str, dict]:
+    rows = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            row = _json(Path(f"{path}:{n}"), f"eval_{stage}", line)
+            for k in PRED_KEYS:
+                _need(row, k, f"{path}:{n}", f"eval_{stage}", "a prediction field")
+            rows[row["id"]] = row
+    return rows
+
+
+def load(root: Path) -> dict:
+    """The report's data from the pipeline's files (all of them, or MissingInputs listing each one missing)."""
+    missing = [f"{f} (dvc repro {stage})" for f, stage in inputs().items() if not (root / f).exists()]
+    if missing:
+        raise MissingInputs("report inputs missing:\n  " + "\n  ".join(missing))
+    stages = []
+    for s in STAGES:
+        where = f"metrics/eval_{s}.json"
+        m = _json(root / where, f"eval_{s}")
+        row = {"stage": s, "accuracy": _need(m, "accuracy", where, f"eval_{s}")}
+        row["ci95"] = _interval(m, "accuracy_ci95", where, f"eval_{s}")
+        row.update({k: m.get(k) for k in TOOL_KEYS})  # None: evaluated without tools
+        stages.append(row)
+    compare = _json(root / "metrics/compare.json", "compare")
+    diff = {k: _need(compare, k, "metrics/compare.json", "compare") for k in COMPARE_KEYS}
+    diff["ci95"] = _interval(compare, "ci95", "metrics/compare.json", "compare")
+    preds = {s: _predictions(root / f"eval/{s}/predictions.jsonl", s) for s in ("sft", "grpo")}
+    pairs = [(a, preds["grpo"][i]) for i, a in preds["sft"].items() if i in preds["grpo"]]
+    examples = []
+    for kind, n in EXAMPLES.items():
+        want_grpo = kind == "fixed by GRPO"
+        chosen = [(a, b) for a, b in pairs if b["correct"] == want_grpo and a["correct"] != want_grpo][:n]
+        examples += [{"kind": kind, "sft": a, "grpo": b} for a, b in chosen]
+    return {"stages": stages, "diff": diff, "examples": examples, "plots": [t for t, _ in dvc_plots(root)]}
+
+
+def accuracy_figure(stages: list[dict]):
+    """Accuracy per stage, error bars = the 95% interval of metrics/eval_<stage>.json."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    acc = [r["accuracy"] for r in stages]
+    err = [[a - r["ci95"][0] for a, r in zip(acc, stages)], [r["ci95"][1] - a for a, r in zip(acc, stages)]]
+    ax.bar([r["stage"] for r in stages], acc, yerr=err, capsize=6, color=["#999", "#4c72b0", "#dd8452"])
+    for i, r in enumerate(stages):
+        ax.text(i, r["ci95"][1] + 0.01, f"{r['accuracy']:.1%}", ha="center", va="bottom")
+    ax.set(ylabel="accuracy (held-out)", title="Accuracy per stage (95% CI)", ylim=(0, 1.15))
+    fig.tight_layout()
+    return fig
+
+
+PAGE = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(
+    """<!doctype html>
+<html><head><meta charset="utf-8"><title>agentrl report</title>
+<style>body{font-family:sans-serif;max-width:60em} td,th{padding:2px 10px;text-align:right}
+pre{background:#f4f4f4;padding:6px} .call{font-family:monospace}</style></head><body>
+<h1>agentrl report</h1>
+<p>The plots ({{ plots | join(", ") }}) are the <code>plots:</code> of dvc.yaml:
+<code>dvc plots show</code> renders them (dvc_plots/index.html), <code>dvc plots diff &lt;exp&gt;</code> compares
+experiments.</p>
+<h2>Accuracy per stage</h2>
+<img src="{{ figure }}" alt="accuracy per stage with 95% confidence intervals">
+<table id="comparison"><tr><th>stage</th><th>accuracy</th><th>95% CI</th>
+{%- for k in tool_keys %}<th>{{ columns[k][0] }}</th>{% endfor %}<th>exact McNemar p</th></tr>
+{%- for r in stages %}
+<tr><td>{{ r.stage }}</td><td>{{ pct(r.accuracy) }}</td><td>{{ pct(r.ci95[0]) }} – {{ pct(r.ci95[1]) }}</td>
+{%- for k in tool_keys %}<td>{{ "no tools" if r[k] is none else columns[k][1].format(r[k]) }}</td>{% endfor %}
+<td></td></tr>
+{%- endfor %}
+<tr><td>GRPO − SFT</td><td>{{ signed(diff.grpo_minus_sft) }}</td>
+<td>{{ signed(diff.ci95[0]) }} – {{ signed(diff.ci95[1]) }}</td>{% for k in tool_keys %}<td></td>{% endfor %}
+<td>{{ "%.2g" | format(diff.p_value) }}</td></tr>
+</table>
+<p>Accuracy intervals: metrics/eval_&lt;stage&gt;.json; GRPO − SFT: paired bootstrap CI and exact McNemar test on
+the same problems (metrics/compare.json).</p>
+<h2>Example completions</h2>
+{%- for e in examples %}
+<h3>{{ e.kind }}: {{ e.sft.question }} (answer {{ e.sft.ground_truth }})</h3>
+{%- for stage in ("sft", "grpo") %}{% set p = e[stage] %}
+<p><b>{{ stage | upper }}</b>: answer {{ p.extracted if p.extracted is not none else "none" }}
+({{ "correct" if p.correct else "wrong" }});
+{%- if p.tool_calls is not defined %} evaluated without tools.
+{%- elif not p.tool_calls %} no tool call.
+{%- else %} tool calls:{% for c in p.tool_calls %}
+<span class="call">{{ c.expression }} → {{ c.result }}{% if not c.ok %} (error){% endif %}</span>
+{%- if not loop.last %};{% endif %}{% endfor %}{% endif %}</p>
+<pre>{{ p.completion }}</pre>
+{%- endfor %}
+{%- else %}
+<p>No problem that SFT and GRPO answer differently.</p>
+{%- endfor %}
+</body></html>
+"""
+)
 
 
 def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
+    data = load(root)
     out.mkdir(parents=True, exist_ok=True)
-    live = root / "dvclive"
-    figures: list[tuple[str, str]] = []
-    missing: list[str] = []
-
-    def save(fig, name: str, title: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        figures.append((name, title))
-
-    # 1. SFT loss
-    xs, ys = read_tsv(live / "sft/plots/metrics/loss.tsv", "loss")
-    if xs:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        _line(ax, xs, ys, "train loss")
-        ax.set(xlabel="optimizer step", ylabel="loss", title="SFT training loss")
-        save(fig, "sft_loss.png", "SFT training loss")
-    else:
-        missing.append("dvclive/sft/plots/metrics/loss.tsv")
-
-    # 2. GRPO reward (+/- std) and 3. KL / completion length
-    xs, ys = read_tsv(live / "grpo/plots/metrics/reward.tsv", "reward")
-    if xs:
-        _, sd = read_tsv(live / "grpo/plots/metrics/reward_std.tsv", "reward_std")
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(xs, ys, label="reward mean")
-        if len(sd) == len(ys):
-            ax.fill_between(
-                xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2, label="± std"
-            )
-        ax.set(xlabel="optimizer step", ylabel="reward", title="GRPO reward")
-        ax.legend()
-        save(fig, "grpo_reward.png", "GRPO reward per step")
-    else:
-        missing.append("dvclive/grpo/plots/metrics/reward.tsv")
-    kx, ky = read_tsv(live / "grpo/plots/metrics/kl.tsv", "kl")
-    lx, ly = read_tsv(live / "grpo/plots/metrics/completions/mean_length.tsv", "mean_length")
-    if kx or lx:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        if kx:
-            ax.plot(kx, ky, label="KL", color="tab:red")
-            ax.set_ylabel("KL")
-        ax2 = ax.twinx()
-        if lx:
-            ax2.plot(lx, ly, label="completion length", color="tab:green")
-            ax2.set_ylabel("mean completion tokens")
-        ax.set(xlabel="optimizer step", title="GRPO KL and completion length")
-        save(fig, "grpo_kl_length.png", "GRPO KL and completion length")
-
-    # 4. accuracy per stage with 95% CI, 5. accuracy by difficulty
-    evals = {
-        s: json.loads((root / f"metrics/eval_{s}.json").read_text())
-        for s in STAGES
-        if (root / f"metrics/eval_{s}.json").exists()
-    }
-    missing += [f"metrics/eval_{s}.json" for s in STAGES if s not in evals]
-    if evals:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        names = list(evals)
-        acc = [evals[s]["accuracy"] for s in names]
-        lo = [a - evals[s]["accuracy_ci95"][0] for a, s in zip(acc, names)]
-        hi = [evals[s]["accuracy_ci95"][1] - a for a, s in zip(acc, names)]
-        ax.bar(names, acc, yerr=[lo, hi], capsize=6, color=["#999", "#4c72b0", "#dd8452"][: len(names)])
-        for i, (a, h) in enumerate(zip(acc, hi)):
-            ax.text(i, a + h + 0.01, f"{a:.1%}", ha="center", va="bottom")  # above the CI's upper cap
-        ax.set(ylabel="accuracy (held-out)", title="Accuracy per stage (95% CI)", ylim=(0, max(acc) * 1.3 + 0.05))
-        save(fig, "accuracy_by_stage.png", "Accuracy per stage")
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        steps = sorted({k for e in evals.values() for k in e.get("accuracy_by_steps", {})})
-        width = 0.8 / len(names)
-        for i, s in enumerate(names):
-            vals = [evals[s].get("accuracy_by_steps", {}).get(k, 0.0) for k in steps]
-            ax.bar([j + i * width for j in range(len(steps))], vals, width, label=s)
-        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(steps))], [f"{k} steps" for k in steps])
-        ax.set(ylabel="accuracy", title="Accuracy by problem difficulty")
-        ax.legend()
-        save(fig, "accuracy_by_difficulty.png", "Accuracy by difficulty")
-
-    # examples before/after GRPO
-    examples = []
-    pf = {s: root / f"eval/{s}/predictions.jsonl" for s in ("sft", "grpo")}
-    if all(p.exists() for p in pf.values()):
-        sft = {r["id"]: r for r in map(json.loads, pf["sft"].read_text().splitlines())}
-        grpo = [json.loads(line) for line in pf["grpo"].read_text().splitlines()]
-        fixed = [(sft[g["id"]], g) for g in grpo if g["id"] in sft and g["correct"] and not sft[g["id"]]["correct"]]
-        broke = [(sft[g["id"]], g) for g in grpo if g["id"] in sft and not g["correct"] and sft[g["id"]]["correct"]]
-        examples = [("fixed by GRPO", a, b) for a, b in fixed[:3]] + [("broken by GRPO", a, b) for a, b in broke[:2]]
-
-    compare = (
-        json.loads((root / "metrics/compare.json").read_text()) if (root / "metrics/compare.json").exists() else {}
+    fig = accuracy_figure(data["stages"])
+    fig.savefig(out / "accuracy_by_stage.png", dpi=110)
+    plt.close(fig)
+    tool_keys = [k for k in TOOL_KEYS if any(r[k] is not None for r in data["stages"])]
+    page = PAGE.render(
+        **data,
+        figure="accuracy_by_stage.png",
+        tool_keys=tool_keys,
+        columns=STAGE_COLUMNS,
+        pct=lambda x: f"{x:.1%}",
+        signed=lambda x: f"{x:+.1%}",
     )
-    md = ["# agentrl report", ""]
-    if compare:
-        md += [
-            f"Accuracy: base {compare['base_accuracy']:.1%} → SFT {compare['sft_accuracy']:.1%} → "
-            f"GRPO {compare['grpo_accuracy']:.1%}; GRPO − SFT = {compare['grpo_minus_sft']:+.1%} "
-            f"(95% CI {compare['ci95'][0]:+.1%} … {compare['ci95'][1]:+.1%}, "
-            f"exact McNemar p = {compare['p_value']:.2g}).",
-            "",
-        ]
-    for name, title in figures:
-        md += [f"## {title}", "", f"![{title}]({name})", ""]
-    if examples:
-        md += ["## Example completions before/after GRPO", ""]
-        for kind, a, b in examples:
-            md += [
-                f"**{kind}** — {a['question']} (answer {a['ground_truth']})",
-                "",
-                "SFT:",
-                "```",
-                a["completion"],
-                "```",
-                "GRPO:",
-                "```",
-                b["completion"],
-                "```",
-                "",
-            ]
-    if missing:
-        md += ["## Missing inputs", ""] + [f"- `{m}`" for m in missing] + [""]
-    (out / "report.md").write_text("\n".join(md))
-
-    body, in_pre = [], False
-    for line in md:
-        if line == "```":
-            body.append("</pre>" if in_pre else "<pre>")
-            in_pre = not in_pre
-        elif in_pre:
-            body.append(html.escape(line))
-        elif line.startswith("# "):
-            body.append(f"<h1>{html.escape(line[2:])}</h1>")
-        elif line.startswith("## "):
-            body.append(f"<h2>{html.escape(line[3:])}</h2>")
-        elif line.startswith("!["):
-            name = line[line.index("(") + 1 : -1]
-            body.append(f'<img src="{html.escape(name)}" alt="{html.escape(name)}" style="max-width:720px">')
-        elif line:
-            body.append(f"<p>{html.escape(line)}</p>")
-    page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>agentrl report</title></head><body>"
-        + "\n".join(body)
-        + "</body></html>"
-    )
-    (out / "report.html").write_text(page)
-    return {"figures": [f for f, _ in figures], "missing": missing, "examples": len(examples)}
+    (out / "report.html").write_text(page, encoding="utf-8")
+    return {"html": out / "report.html", "figure": out / "accuracy_by_stage.png", "examples": len(data["examples"])}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="reports")
-    a = ap.parse_args()
-    r = build(Path("."), Path(a.out))
-    print(
-        f"wrote {a.out}/report.html and report.md with {len(r['figures'])} plots"
-        + (f"; missing inputs: {', '.join(r['missing'])}" if r["missing"] else "")
-    )
+    a = ap.parse_args(argv)
+    try:
+        r = build(Path("."), Path(a.out))
+    except (MissingInputs, ValueError) as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {r['html']} ({r['examples']} example completions); curves: dvc plots show")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

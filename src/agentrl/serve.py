@@ -357,16 +357,15 @@ class Engine:
     """Holds the model and tokenizers; batches jobs; computes answer confidences from token probabilities."""
 
     def __init__(self, model_path: str, cfg: ServeParams, agent: Optional[AgentParams] = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from .modeling import load_tokenizer
 
         self.path, self.cfg = model_path, cfg
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         # two tokenizer objects: requests are encoded on the tokenizer thread while the model thread decodes
-        self.encoder = AutoTokenizer.from_pretrained(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.encoder, self.tokenizer = load_tokenizer(model_path), load_tokenizer(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         self.context = int(getattr(self.model.config, "max_position_embeddings", 4096))
         # the tools the policy was trained with (params.yaml agent.*): calls run server-side, in the same loop

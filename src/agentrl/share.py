@@ -66,9 +66,10 @@ def git_remote_url(name: str) -> Optional[str]:
 
 
 def uncommitted_results() -> list[str]:
-    """dvc.lock, params.yaml, dvc.yaml and metrics/ differing from git HEAD: a clone would not get them."""
+    """dvc.lock, params.yaml, dvc.yaml, metrics/ and diagnostics/ differing from git HEAD: a clone would not get
+    them."""
     r = subprocess.run(
-        ["git", "status", "--porcelain", "--", "dvc.lock", "dvc.yaml", "params.yaml", "metrics"],
+        ["git", "status", "--porcelain", "--", "dvc.lock", "dvc.yaml", "params.yaml", "metrics", "diagnostics"],
         capture_output=True,
         text=True,
     )

@@ -280,6 +280,11 @@ def log_eval_to_wandb(params: Params, name: str, metrics: dict, predictions: lis
         )
 
 
+def _calls_text(calls: list[dict]) -> str:
+    """A prediction's tool calls as one table cell: `48+25 → 73; 9/0 → error: … (failed)`."""
+    return "; ".join(f"{c['expression']} → {c['result']}" + ("" if c.get("ok", True) else " (failed)") for c in calls)
+
+
 def _log_eval(params: Params, name: str, metrics: dict, predictions: list[dict], mode: str) -> None:
     import wandb
 
@@ -295,7 +300,8 @@ def _log_eval(params: Params, name: str, metrics: dict, predictions: list[dict],
         reinit="finish_previous",
     )
     cols = ["id", "question", "completion", "extracted", "ground_truth", "correct", "reward"]
-    table = wandb.Table(columns=cols, data=[[p.get(c) for c in cols] for p in predictions])
+    rows = [[p.get(c) for c in cols] + [_calls_text(p.get("tool_calls") or [])] for p in predictions]
+    table = wandb.Table(columns=[*cols, "tool_calls"], data=rows)
     run.log({f"eval/{name}/predictions": table})
     run.summary.update({f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
     run.finish()
