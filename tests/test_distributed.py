@@ -4,40 +4,20 @@ Each config runs the sft and grpo stage modules exactly as dvc.yaml does, then t
 and evaluated. Only rank 0 writes metrics and logs.
 """
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from agentrl.common import read_metrics
+from agentrl.testing import accelerate_launch
 from conftest import ROOT, mini_params, write_params
 
-BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.distributed]
 
 
 def launch(config: str, module: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "WANDB_MODE": "offline",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        str(BIN / "accelerate"),
-        "launch",
-        "--config_file",
-        str(ROOT / "configs/accelerate" / config),
-        "--num_processes",
-        "2",
-        "-m",
-        module,
-    ]
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    return accelerate_launch(ROOT / "configs/accelerate" / config, module, cwd, num_processes=2)
 
 
 @pytest.mark.parametrize("config", ["ddp.yaml", "zero2.yaml", "zero3.yaml"])

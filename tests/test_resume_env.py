@@ -3,19 +3,15 @@ configuration (accelerate config contents, process count, launch settings, resol
 file of every input model; a resumed run reports its own segment's speed, its DVCLive curves hold every
 step, and a `make repro` checkout then trains under ZeRO-2 / DDP from scratch instead of crashing."""
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from agentrl.testing import copy_repo
+from agentrl.testing import accelerate_launch, copy_repo
 from conftest import ROOT, mini_params, write_params
-
-BIN = Path(sys.executable).parent
 
 
 def test_launch_environment_digest(workdir, monkeypatch):
@@ -113,26 +109,8 @@ def test_sft_resume_respects_launch_config_and_reports_its_own_segment(workdir):
 
 
 def _launch(config: str, module: str, cwd: Path) -> subprocess.CompletedProcess:
-    nproc = "1" if config == "single.yaml" else "2"
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "WANDB_MODE": "offline",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        str(BIN / "accelerate"),
-        "launch",
-        "--config_file",
-        f"configs/accelerate/{config}",
-        "--num_processes",
-        nproc,
-        "-m",
-        module,
-    ]
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    nproc = 1 if config == "single.yaml" else 2
+    return accelerate_launch(f"configs/accelerate/{config}", module, cwd, num_processes=nproc)
 
 
 @pytest.mark.slow

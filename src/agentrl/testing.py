@@ -1,6 +1,7 @@
 """Helpers the tests (tests/) and the scripts (scripts/) share: a free local port, the service started and
-polled until healthy, a params.yaml value set by its dotted key, a copy of the repository, and the tool loop
-against plain `generate` (tokens/s). No pipeline stage imports this module (dvc.yaml's deps do not list it)."""
+polled until healthy, a stage under `accelerate launch`, a params.yaml value set by its dotted key, a copy of
+the repository, and the tool loop against plain `generate` (tokens/s). No pipeline stage imports this module
+(dvc.yaml's deps do not list it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,23 @@ import sys
 import time
 from pathlib import Path
 from typing import IO, Iterable, Optional
+
+
+# ------------------------------------------------------------------------------------------- training
+def accelerate_launch(
+    config_file: str | Path, module: str, cwd: str | Path, num_processes: int = 2, timeout_s: int = 900
+) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file F --num_processes N -m module` in `cwd`, with this interpreter's
+    accelerate, W&B offline and one OpenMP thread per process; AssertionError with the output's tail on failure."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "WANDB_MODE": "offline"}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(config_file)]
+    cmd += ["--num_processes", str(num_processes), "-m", module]
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return r
 
 
 # ------------------------------------------------------------------------------------------- serving
