@@ -31,26 +31,14 @@ def leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
 
 
 def hydra_value(v) -> str:
-    """A value in Hydra's override grammar (what `dvc exp run -S` parses)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        if "${" in v:
-            raise ValueError(f"{v!r}: '${{' would be read as an interpolation by dvc exp run -S")
-        if "'" not in v:
-            return "'" + v.replace("\\", "\\\\") + "'"
-        if '"' not in v:
-            return '"' + v.replace("\\", "\\\\") + '"'
-        raise ValueError(f"{v!r}: a string with both quote kinds cannot be passed through -S")
-    if isinstance(v, list):
-        return "[" + ",".join(hydra_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
-    raise ValueError(f"{v!r}: unsupported value type {type(v).__name__}")
+    """A value in Hydra's override grammar (what `dvc exp run -S` parses): agent_api.hydra_value, which the
+    MCP API's overrides use too, refusing '${' (dvc exp run -S would read it as an interpolation)."""
+    from agentrl.agent_api import hydra_value as render
+
+    out = render(v)
+    if "${" in out:
+        raise ValueError(f"{v!r}: '${{' would be read as an interpolation by dvc exp run -S")
+    return out
 
 
 def overrides(recipe: str | Path) -> list[str]:

@@ -125,8 +125,8 @@ def test_overrides_reach_dvc_exactly():
         {"accuracy": 1.0, "fmt": 0.1},
     ]
     for v in values:
-        parsed = parser.parse_overrides([f"k={agent_api._hydra(v)}"])[0].value()
-        assert parsed == v, (v, agent_api._hydra(v), parsed)
+        parsed = parser.parse_overrides([f"k={agent_api.hydra_value(v)}"])[0].value()
+        assert parsed == v, (v, agent_api.hydra_value(v), parsed)
 
 
 def test_bad_arguments_are_structured_errors(repo):

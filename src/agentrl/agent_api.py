@@ -285,7 +285,7 @@ def validate_overrides(root: Path, overrides: Any) -> tuple[dict, list[str]]:
                 errors=[{"key": str(k), "type": "unknown_key", "message": msg}],
             )
         _set(raw, k, v)
-        set_args += ["-S", f"++{k}={_hydra(v)}"]  # Hydra's add-or-override
+        set_args += ["-S", f"++{k}={hydra_value(v)}"]  # Hydra's add-or-override
     try:
         config.validate_params(raw, "params.yaml + overrides")
     except config.ParamsError as e:
@@ -331,7 +331,7 @@ def _errors(e: Exception, raw: dict, overrides: list[str]) -> list[dict]:
     return sorted(out, key=lambda err: not related(err))
 
 
-def _hydra(v: Any) -> str:
+def hydra_value(v: Any) -> str:
     """A JSON value in the override grammar of `dvc exp run -S` (Hydra's)."""
     if v is None:
         return "null"
@@ -345,9 +345,9 @@ def _hydra(v: Any) -> str:
         v = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, v)
         return "'" + v + "'"
     if isinstance(v, list):
-        return "[" + ",".join(_hydra(x) for x in v) + "]"
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{_hydra(x)}" for k, x in v.items()) + "}"
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
     raise APIError("wrong_type", f"unsupported value type {type(v).__name__}", key=None)
 
 
