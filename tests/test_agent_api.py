@@ -14,28 +14,21 @@ import pytest
 import yaml
 
 from agentrl import agent_api, config
+from agentrl.testing import GIT_IDENTITY, tool_env
 from conftest import mini_params
 
 BIN = str(Path(sys.executable).parent)
-# dvc exp commits experiments: give git an identity on machines without one
-GIT_ID = {
-    "GIT_AUTHOR_NAME": "agentrl-test",
-    "GIT_AUTHOR_EMAIL": "test@example.invalid",
-    "GIT_COMMITTER_NAME": "agentrl-test",
-    "GIT_COMMITTER_EMAIL": "test@example.invalid",
-}
 
 
 def sh(cmd, cwd):
-    env = {**os.environ, **GIT_ID, "PATH": BIN + os.pathsep + os.environ["PATH"]}
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=cwd, env=tool_env(None), capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 
 
 def make_repo(root: Path, monkeypatch) -> Path:
     """The copied repository with the miniature params, committed (the baseline of the experiments)."""
-    for k, v in GIT_ID.items():
+    for k, v in GIT_IDENTITY.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("WANDB_MODE", "disabled")
     p = mini_params()

@@ -1,31 +1,18 @@
 """The DVC pipeline itself, run for real in a temporary copy of the repository on a miniature config."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from agentrl.testing import git_commit_all, set_param
+from agentrl.testing import git_commit_all, set_param, tool_env
 from conftest import mini_params
-
-BIN = str(Path(sys.executable).parent)
 
 
 def run(cmd, cwd, check=True):
-    env = {
-        **os.environ,
-        "PATH": BIN + os.pathsep + os.environ["PATH"],
-        "WANDB_MODE": "offline",
-        "GIT_AUTHOR_NAME": "agentrl-test",
-        "GIT_AUTHOR_EMAIL": "test@example.invalid",
-        "GIT_COMMITTER_NAME": "agentrl-test",
-        "GIT_COMMITTER_EMAIL": "test@example.invalid",
-    }
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=cwd, env=tool_env("offline"), capture_output=True, text=True)
     if check and r.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     return r

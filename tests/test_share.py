@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.testing import free_port, wait_healthy
+from agentrl.testing import free_port, tool_env, wait_healthy
 from conftest import ROOT, mini_params
 
 BIN = Path(sys.executable).parent
@@ -22,17 +22,7 @@ SECRET = "hf_testtoken_DO_NOT_LEAK_0123456789"
 
 
 def run(cmd, cwd, check=True, env=None, timeout=900):
-    base = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
-    full = {
-        **base,
-        "PATH": str(BIN) + os.pathsep + os.environ["PATH"],
-        "WANDB_MODE": "offline",
-        "GIT_AUTHOR_NAME": "agentrl-test",
-        "GIT_AUTHOR_EMAIL": "test@example.invalid",
-        "GIT_COMMITTER_NAME": "agentrl-test",
-        "GIT_COMMITTER_EMAIL": "test@example.invalid",
-        **(env or {}),
-    }
+    full = {**{k: v for k, v in tool_env("offline").items() if k != "HF_TOKEN"}, **(env or {})}
     r = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
     if check and r.returncode:
         raise AssertionError(

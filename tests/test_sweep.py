@@ -3,21 +3,19 @@ temporary copy of the repository (miniature config, slow)."""
 
 import copy
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from agentrl.testing import tool_env
 from conftest import ROOT, mini_params
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import sweep  # noqa: E402
 
-BIN = str(Path(sys.executable).parent)
 LR, R, BETA = "grpo.trainer.learning_rate", "grpo.lora.r", "grpo.trainer.beta"
 SPACE = {
     "objective": {"metric": "metrics/eval_grpo.json", "key": "accuracy", "direction": "maximize"},
@@ -69,17 +67,7 @@ def test_valid_space_and_its_optuna_distributions(tmp_path):
 
 
 def run(cmd, cwd):
-    env = {
-        **os.environ,
-        "PATH": BIN + os.pathsep + os.environ["PATH"],
-        "WANDB_MODE": "disabled",
-        # dvc exp commits experiments: give git an identity on machines without one
-        "GIT_AUTHOR_NAME": "agentrl-test",
-        "GIT_AUTHOR_EMAIL": "test@example.invalid",
-        "GIT_COMMITTER_NAME": "agentrl-test",
-        "GIT_COMMITTER_EMAIL": "test@example.invalid",
-    }
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=cwd, env=tool_env("disabled"), capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 

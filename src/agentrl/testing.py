@@ -14,6 +14,24 @@ import time
 from pathlib import Path
 from typing import IO, Iterable, Optional
 
+# ------------------------------------------------------------------------------------------- environment
+# dvc exp and the repository copies commit: a git identity for machines without one
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "agentrl-test",
+    "GIT_AUTHOR_EMAIL": "test@example.invalid",
+    "GIT_COMMITTER_NAME": "agentrl-test",
+    "GIT_COMMITTER_EMAIL": "test@example.invalid",
+}
+
+
+def tool_env(wandb_mode: Optional[str] = "offline", **extra: str) -> dict:
+    """The environment to run the project's tools in a subprocess: os.environ with this interpreter's bin/ first
+    on PATH (dvc, accelerate), the git identity, WANDB_MODE (unchanged when None) and `extra`."""
+    env = {**os.environ, **GIT_IDENTITY, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if wandb_mode is not None:
+        env["WANDB_MODE"] = wandb_mode
+    return {**env, **extra}
+
 
 # ------------------------------------------------------------------------------------------- training
 def accelerate_launch(
@@ -21,10 +39,8 @@ def accelerate_launch(
 ) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file F --num_processes N -m module` in `cwd`, with this interpreter's
     accelerate, W&B offline and one OpenMP thread per process; AssertionError with the output's tail on failure."""
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "WANDB_MODE": "offline"}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(config_file)]
+    env = tool_env("offline", OMP_NUM_THREADS="1")
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file)]
     cmd += ["--num_processes", str(num_processes), "-m", module]
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if r.returncode:
@@ -161,13 +177,7 @@ def copy_repo(
 
 def git_commit_all(repo: str | Path, message: str) -> None:
     """`git init` (when `repo` is not one yet), `git add -A`, `git commit` under a fixed local identity."""
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "agentrl-test",
-        "GIT_AUTHOR_EMAIL": "test@example.invalid",
-        "GIT_COMMITTER_NAME": "agentrl-test",
-        "GIT_COMMITTER_EMAIL": "test@example.invalid",
-    }
+    env = {**os.environ, **GIT_IDENTITY}
     cmds = [["git", "add", "-A"], ["git", "commit", "-qm", message]]
     if not (Path(repo) / ".git").exists():
         cmds.insert(0, ["git", "init", "-q"])
