@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .common import atomic_write, diagnostics_path, get_logger, model_files_digest, read_metrics
+from .common import atomic_write, get_logger, model_files_digest, read_metrics
 from .config import Params, load_params_or_exit
 
 log = get_logger("card")
@@ -63,10 +63,9 @@ class PublishError(RuntimeError):
 
 
 def _read(path: str) -> dict:
-    """A stage's headline metrics and its diagnostics, merged."""
-    for f in (Path(path), diagnostics_path(path)):
-        if not f.exists():
-            raise FileNotFoundError(f"{f}: not found; the card reports it (run the stage that writes it: dvc repro)")
+    """A stage's headline metrics and its diagnostics, merged (read_metrics names a missing diagnostics file)."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: not found; the card reports it (run the stage that writes it: dvc repro)")
     return read_metrics(path)
 
 
