@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -10,7 +9,8 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from agentrl import agent_api
-from test_agent_api import BIN, GIT_ID, make_repo, sh, snapshot
+from agentrl.testing import tool_env
+from test_agent_api import make_repo, sh, snapshot
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def repo(copy_repo, monkeypatch):
 
 
 def server_params(repo: Path) -> StdioServerParameters:
-    env = {**os.environ, **GIT_ID, "PATH": BIN + os.pathsep + os.environ["PATH"], "WANDB_MODE": "disabled"}
+    env = tool_env("disabled")
     return StdioServerParameters(
         command=sys.executable, args=["-m", "agentrl.mcp_server", "--repo", str(repo)], env=env, cwd=str(repo)
     )
