@@ -1,0 +1,258 @@
+"""Sweeps across machines (scripts/sweep_worker.py): workers in separate clones share one Optuna study.
+
+Default tests: two worker processes on a journal file, with a stand-in `dvc` (seconds per trial) so the study's
+accounting is checked in seconds: N trials, no duplicate, one worker killed mid-trial and its trial retried.
+Slow tests: the same with real `dvc exp run` / `dvc exp push` in git clones sharing a bare Git remote and a DVC
+remote directory (journal file, then a real PostgreSQL server), and optuna-dashboard rendered in headless
+Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.testing import tool_env
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import sweep_worker  # noqa: E402
+
+WORKER = [sys.executable, str(ROOT / "scripts/sweep_worker.py")]
+
+# a stand-in for `dvc` on PATH: `exp run --name X -S k=v ...` writes metrics/eval_grpo.json (accuracy from the
+# learning rate) after STUB_SECONDS, or hangs when STUB_HANG is set; every call is one line in STUB_LOG
+STUB = textwrap.dedent(
+    """\
+    #!{python}
+    import json, os, sys, time
+    from pathlib import Path
+    args = sys.argv[1:]
+    log = open(os.environ["STUB_LOG"], "a")
+    def note(*words):
+        log.write(" ".join(words) + "\\n"); log.flush()
+    if args[:2] == ["exp", "run"]:
+        name = args[args.index("--name") + 1]
+        point = dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "-S")
+        note("start", os.environ["STUB_WORKER"], name, json.dumps(point, sort_keys=True))
+        time.sleep(600 if os.environ.get("STUB_HANG") else float(os.environ.get("STUB_SECONDS", "0.5")))
+        Path("metrics").mkdir(exist_ok=True)
+        lr = float(point["grpo.trainer.learning_rate"])
+        Path("metrics/eval_grpo.json").write_text(json.dumps({{"accuracy": round(1 - abs(lr - 3e-4) * 1e3, 6)}}))
+        note("done", os.environ["STUB_WORKER"], name)
+    elif args[:2] == ["exp", "push"]:
+        note("push", os.environ["STUB_WORKER"], args[-1], args[-2])
+    else:
+        sys.exit("stub dvc: unexpected " + " ".join(args))
+    """
+)
+
+SPACE = """\
+objective: {metric: metrics/eval_grpo.json, key: accuracy, direction: maximize}
+fixed: {grpo.trainer.max_steps: 1}
+grid: {grpo.trainer.learning_rate: [1.0e-4, 3.0e-4]}
+random:
+  grpo.trainer.learning_rate: {type: loguniform, low: 1.0e-4, high: 1.0e-3}
+  grpo.trainer.beta: {type: uniform, low: 0.0, high: 0.05}
+"""
+
+
+def stub_machine(tmp: Path, name: str, log: Path) -> tuple[Path, dict]:
+    """A "machine": a git clone stand-in (its own directory, a git remote named origin) and an environment
+    whose `dvc` is the stub."""
+    d = tmp / name
+    (d / "bin").mkdir(parents=True)
+    (d / "bin/dvc").write_text(STUB.format(python=sys.executable))
+    (d / "bin/dvc").chmod(0o755)
+    (d / "space.yaml").write_text(SPACE)
+    subprocess.run(["git", "init", "-q", str(d)], check=True)
+    subprocess.run(["git", "-C", str(d), "remote", "add", "origin", str(tmp / "remote.git")], check=True)
+    env = tool_env(None, STUB_LOG=str(log), STUB_WORKER=name, STUB_SECONDS="0.5")
+    env["PATH"] = f"{d / 'bin'}{os.pathsep}{env['PATH']}"
+    return d, env
+
+
+def worker_cmd(kind: str, storage: str, name: str, trials: int | None, *extra: str) -> list[str]:
+    """The worker's command line, with short heartbeat / grace / poll times (seconds)."""
+    cmd = WORKER + ["worker", kind, "--storage", storage, "--name", "s", "--space", "space.yaml", "--worker", name]
+    cmd += ["--heartbeat", "1", "--grace", "4", "--poll", "0.5", "--seed", "0", *extra]
+    return cmd + ([] if trials is None else ["--trials", str(trials)])
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if (got := predicate()) is not None:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def status(storage: str, cwd: Path) -> dict:
+    r = subprocess.run(WORKER + ["status", "--storage", storage, "--json"], cwd=cwd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def check_accounting(st: dict, trials: int, killed: str, survivor: str) -> dict:
+    """The study after a search in which worker `killed` died mid-trial: `trials` complete, the dead worker's
+    trial failed and retried once by `survivor`, no other failure, no surplus; returns the numbers."""
+    assert st["states"].get("COMPLETE") == trials, st
+    assert st["states"].get("FAIL") == 1 and not st["surplus"], st
+    assert st["workers"][killed] == {"FAIL": 1}, st
+    (retry,) = st["retries"]
+    assert retry["state"] == "COMPLETE", st
+    assert sum(st["workers"][survivor].values()) == trials, st
+    experiments = list(st["experiments"].values())
+    assert len(set(experiments)) == trials and None not in experiments, st
+    return {"done": trials, "failed": 1, "retried": 1, "dead_trial": retry["retries"], "retry_trial": retry["trial"]}
+
+
+def test_two_workers_journal_one_killed_mid_trial(tmp_path):
+    """Two workers (separate directories, as two machines) on one journal file: 4 trials done, none twice; the
+    worker killed mid-trial has its trial failed by heartbeat and retried (same params) by the other."""
+    import optuna
+
+    log = tmp_path / "calls.log"
+    log.touch()
+    storage = str(tmp_path / "shared/study.journal")
+    (tmp_path / "shared").mkdir()
+    m1, env1 = stub_machine(tmp_path, "w1", log)
+    m2, env2 = stub_machine(tmp_path, "w2", log)
+    env2["STUB_HANG"] = "1"  # w2's `dvc exp run` never returns: w2 is killed in the middle of it
+    t0 = time.time()
+    p2 = subprocess.Popen(worker_cmd("optuna", storage, "w2", 4), cwd=m2, env=env2, start_new_session=True)
+    wait_for(lambda: "start w2" in log.read_text() or None, 60, "w2 to start a trial")
+    p1 = subprocess.Popen(worker_cmd("optuna", storage, "w1", 4), cwd=m1, env=env1, stdout=subprocess.PIPE, text=True)
+    os.killpg(p2.pid, signal.SIGKILL)  # the machine dies: the worker and its dvc
+    p2.wait()
+    out, _ = p1.communicate(timeout=120)
+    assert p1.returncode == 0, out[-3000:]
+    wall = time.time() - t0
+
+    st = status(storage, tmp_path)
+    acct = check_accounting(st, 4, "w2", "w1")
+    calls = [line.split() for line in log.read_text().splitlines()]
+    started = [c[2] for c in calls if c[0] == "start"]
+    assert len(started) == 5 and len(set(started)) == 5, calls  # 4 done + the killed one: each experiment once
+    done = [c[2] for c in calls if c[0] == "done"]
+    pushed = [c[2] for c in calls if c[0] == "push"]
+    assert sorted(done) == sorted(pushed) == sorted(st["experiments"].values()), calls
+    assert {c[3] for c in calls if c[0] == "push"} == {"origin"}
+    study = optuna.load_study(study_name="s", storage=sweep_worker.open_storage(storage))
+    dead, retry = study.trials[acct["dead_trial"]], study.trials[acct["retry_trial"]]
+    assert retry.params == dead.params and dead.user_attrs["worker"] == "w2", (dead, retry)
+    assert retry.user_attrs["worker"] == "w1" and retry.user_attrs["experiment"] == f"s-t{retry.number}"
+    assert st["best"]["value"] == max(t.value for t in study.trials if t.value is not None)
+    best = st["best"]["experiment"]
+    assert best == f"s-t{st['best']['trial']}"
+    assert st["best"]["apply"] == f"dvc exp pull origin {best} && dvc exp apply {best}"
+    print(f"two stub workers, journal: {wall:.1f} s, {acct}")
+
+
+def test_grid_kind_runs_each_point_once(tmp_path):
+    """grid: GridSampler over the space's grid lists; the target defaults to the grid's size (2 points)."""
+    log = tmp_path / "calls.log"
+    log.touch()
+    m1, env1 = stub_machine(tmp_path, "w1", log)
+    cmd = worker_cmd("grid", str(tmp_path / "g.journal"), "w1", None, "--no-push")
+    r = subprocess.run(cmd, cwd=m1, env=env1, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    points = [json.loads(line.split(" ", 3)[3]) for line in log.read_text().splitlines() if line.startswith("start")]
+    assert sorted(p["grpo.trainer.learning_rate"] for p in points) == ["0.0001", "0.0003"], points
+    assert all(p["grpo.trainer.max_steps"] == "1" for p in points)  # fixed: in every trial
+    assert "push" not in log.read_text()  # --no-push: nothing pushed
+
+
+def test_surplus_counts_complete_running_and_queued_trials():
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    study = optuna.create_study()
+    study.add_trial(create_trial(value=1.0))  # 0 complete
+    study.add_trial(create_trial(state=TrialState.FAIL))  # 1 failed: does not count
+    running = study.ask()  # 2 running
+    study.enqueue_trial({"x": 1.0})  # 3 waiting
+    n = study.ask().number  # 4: takes the waiting one (3) first
+    assert n == 3 and running.number == 2
+    assert not sweep_worker.surplus(study, 3, 3)  # 0 and 2 ahead of it: room for a third
+    assert sweep_worker.surplus(study, 3, 2)
+    late = study.ask().number  # 4, asked while 0, 2, 3 are live
+    assert sweep_worker.surplus(study, late, 3) and not sweep_worker.surplus(study, late, 4)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_journal_heartbeat_marks_silent_trials_stale(tmp_path):
+    """The journal storage's heartbeat (Optuna 5.0 has none for journals): a trial whose beats stop is failed by
+    Optuna's fail_stale_trials and queued again, with its params, by RetryHeartbeatStaleTrialCallback."""
+    import optuna
+    from optuna.trial import TrialState
+
+    storage = sweep_worker.open_storage(str(tmp_path / "j.journal"), heartbeat=1, grace=2, max_retry=1)
+    study = optuna.create_study(storage=storage, study_name="h")
+    alive, dead = study.ask(), study.ask()
+    dead.suggest_float("x", 0, 1)
+    storage.record_heartbeat(alive._trial_id)
+    storage.record_heartbeat(dead._trial_id)
+    time.sleep(1.5)
+    storage.record_heartbeat(alive._trial_id)
+    optuna.storages.fail_stale_trials(study)
+    assert [t.state for t in study.trials] == [TrialState.RUNNING] * 2  # within grace: nothing failed
+    time.sleep(1.0)
+    storage.record_heartbeat(alive._trial_id)
+    optuna.storages.fail_stale_trials(study)
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.RUNNING, TrialState.FAIL, TrialState.WAITING], states
+    assert study.trials[2].params == study.trials[1].params
+    # a trial that never beat (heartbeats off) is never stale
+    quiet = optuna.create_study(storage=sweep_worker.open_storage(str(tmp_path / "q.journal"), 1, 1), study_name="q")
+    quiet.ask()
+    time.sleep(1.2)
+    optuna.storages.fail_stale_trials(quiet)
+    assert quiet.trials[0].state == TrialState.RUNNING
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        ("", "STORAGE is empty"),
+        ("{tmp}", "a directory; expected a journal file path"),
+        ("{tmp}/no/such/dir/s.journal", "does not exist (mount the shared filesystem?)"),
+        ("{tmp}/db.sqlite", "an SQLite database; give it as an RDB URL, sqlite:///"),
+    ],
+)
+def test_storage_errors_name_the_storage(tmp_path, spec, error):
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "db.sqlite").execute("create table t (x)").connection.commit()
+    with pytest.raises(SystemExit, match=re_escape(error)):
+        sweep_worker.open_storage(spec.format(tmp=tmp_path))
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def test_worker_refuses_another_space_and_a_missing_git_remote(tmp_path):
+    log = tmp_path / "calls.log"
+    log.touch()
+    m1, env1 = stub_machine(tmp_path, "w1", log)
+    storage = str(tmp_path / "s.journal")
+    r = subprocess.run(
+        worker_cmd("optuna", storage, "w1", 1, "--git-remote", "nowhere"), cwd=m1, env=env1, capture_output=True
+    )
+    assert r.returncode and b"no git remote 'nowhere' in this clone" in r.stderr, r.stderr
+    r = subprocess.run(worker_cmd("random", storage, "w1", 1), cwd=m1, env=env1, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run(worker_cmd("optuna", storage, "w1", 2), cwd=m1, env=env1, capture_output=True, text=True)
+    assert r.returncode and "was started with another kind or space" in r.stderr, r.stderr[-2000:]
+    assert log.read_text().count("start") == 1
