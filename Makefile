@@ -124,6 +124,25 @@ sweep-random: setup
 sweep-optuna: setup
 	python scripts/sweep.py optuna --space $(SPACE) --trials $(TRIALS) --jobs $(JOBS)
 
+# One search on many machines (docs/sweeps-across-machines.md): run `make sweep-worker` in a clone on every machine.
+# STORAGE: a journal file on a shared filesystem, or an RDB URL (postgresql://user@host/db); STUDY: the search's
+# name; KIND: optuna | random | grid; each trial is `dvc exp run --name STUDY-tN`, pushed with `dvc exp push
+# GIT_REMOTE` (outputs to .dvc/config's remote). WORKER_ARGS: more flags (--heartbeat, --grace, --no-push, ...).
+STORAGE ?= sweeps/study.journal
+STUDY ?= search
+KIND ?= optuna
+DASH_PORT ?= 8080
+WORKER_ARGS ?=
+.PHONY: sweep-worker sweep-status sweep-dashboard
+sweep-worker: setup
+	@mkdir -p sweeps
+	python scripts/sweep_worker.py worker $(KIND) --storage "$(STORAGE)" --name $(STUDY) --space $(SPACE) \
+	  $(if $(filter grid,$(KIND)),,--trials $(TRIALS)) --git-remote $(GIT_REMOTE) $(WORKER_ARGS)
+sweep-status: setup
+	python scripts/sweep_worker.py status --storage "$(STORAGE)" --name $(STUDY) --git-remote $(GIT_REMOTE)
+sweep-dashboard: setup
+	python scripts/sweep_worker.py dashboard --storage "$(STORAGE)" --port $(DASH_PORT)
+
 bench: setup
 	python scripts/bench.py
 
