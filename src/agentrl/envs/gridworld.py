@@ -1,0 +1,349 @@
+"""Gridworld (FrozenLake-like): walk from S to G on a small grid without falling into a hole O; moves can slip.
+
+The environment has TRL 1.16's `environment_factory` shape: `GridWorld(**knobs)` makes one instance,
+`reset(**row)` starts an episode from a dataset row (`grid`, `start`, `goal`, `seed`; other keys ignored),
+and the one tool, `move(direction)`, answers where the agent is now in a few tokens: `1 2` (row, column,
+0-based), `1 2 slip` (with probability `slip_prob` the move went to a random perpendicular direction instead),
+`1 1 wall` (bumped the edge, position unchanged), `2 2 hole` (episode over, reward 0), `3 3 goal` (reward 1).
+Observations depend on every earlier action, and a slip must be read and re-planned from. Slips come from a
+`random.Random(row["seed"])` made in `reset` (two draws per move, whatever the moves): same seed, same slips;
+two instances never share state. `get_reward()` is 1.0 at the goal, else 0.0.
+
+`make_rows` generates grids with a path from S to G avoiding holes (BFS, length >= min_path) and demonstrations
+in the inline annotation syntax, `<<right=0 1>> <<down=1 1 slip>> ...`, made by running the env itself with a
+BFS policy that re-plans from the observed position after every move (so slips in the demos show recovery).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Iterable, Optional
+
+GEN_DEFAULTS: dict = {
+    "size": 4,  # the grid is size x size (2-8)
+    "hole_prob": 0.2,  # each cell other than S and G is a hole with this probability (0-0.6)
+    "min_path": 4,  # the shortest S->G path avoiding holes has at least this many moves
+}
+ENV_DEFAULTS: dict = {
+    "slip_prob": 0.2,  # a move goes to a random perpendicular direction instead, with this probability
+    "max_moves": 12,  # moves per episode; later calls answer "error: no moves left"
+}
+SPLITS = ("train", "test")
+DIRECTIONS = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+ALIASES = {"u": "up", "d": "down", "l": "left", "r": "right", **{d: d for d in DIRECTIONS}}
+PERPENDICULAR = {"up": ("left", "right"), "down": ("left", "right"), "left": ("up", "down"), "right": ("up", "down")}
+POLICY_ORDER = ("right", "down", "left", "up")  # the demo policy's tie-break among equally good moves
+CELLS = ".SGO"  # free, start, goal, hole
+MAX_SIZE = 16  # a row's grid may be at most this many rows and columns
+MAX_DIRECTION_CHARS = 20  # longer tool arguments are refused before any string work
+MAX_ATTEMPTS_PER_ROW = 200
+
+
+# ----------------------------------------------------------------------------------- rows
+def _cell(value, field: str, where: str, rows: int, cols: int) -> tuple[int, int]:
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        or not (0 <= value[0] < rows and 0 <= value[1] < cols)
+    ):
+        raise ValueError(f"{where}: '{field}' must be [row, column] inside the {rows}x{cols} grid, got {value!r}")
+    return value[0], value[1]
+
+
+def _instance(row: dict) -> tuple[list[str], tuple[int, int], tuple[int, int], int]:
+    """(grid, start, goal, seed) of a row, or ValueError naming the row and the field."""
+    where = f"gridworld row {row.get('id')!r}" if "id" in row else "gridworld row"
+    grid = row.get("grid")
+    if (
+        not isinstance(grid, (list, tuple))
+        or not 1 <= len(grid) <= MAX_SIZE
+        or not all(isinstance(line, str) for line in grid)
+        or len({len(line) for line in grid}) != 1
+        or not 1 <= len(grid[0]) <= MAX_SIZE
+        or any(ch not in CELLS for line in grid for ch in line)
+    ):
+        raise ValueError(
+            f"{where}: 'grid' must be 1-{MAX_SIZE} strings of equal length (1-{MAX_SIZE}) over '{CELLS}', "
+            f"got {grid!r:.200}"
+        )
+    grid = list(grid)
+    rows, cols = len(grid), len(grid[0])
+    start = _cell(row.get("start"), "start", where, rows, cols)
+    goal = _cell(row.get("goal"), "goal", where, rows, cols)
+    for field, pos, ch in (("start", start, "S"), ("goal", goal, "G")):
+        found = [(r, c) for r, line in enumerate(grid) for c, x in enumerate(line) if x == ch]
+        if found != [pos]:
+            raise ValueError(f"{where}: '{field}' {list(pos)} must be the grid's one '{ch}' cell, found {found}")
+    seed = row.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"{where}: 'seed' must be an integer, got {seed!r}")
+    return grid, start, goal, seed
+
+
+# ----------------------------------------------------------------------------------- environment
+class GridWorld:
+    """One gridworld episode per `reset`; the policy moves with `move` and reads where it landed.
+
+    Public attributes read after an episode: `turns` (tool calls), `failed_tries` (calls that did not take the
+    agent where it asked without falling: slips, walls, holes, errors), `slips`, `walls`, `position`
+    ([row, column]), `done` and `reached` (at the goal).
+    """
+
+    def __init__(self, slip_prob: float = ENV_DEFAULTS["slip_prob"], max_moves: int = ENV_DEFAULTS["max_moves"]):
+        if not isinstance(slip_prob, (int, float)) or isinstance(slip_prob, bool) or not 0 <= slip_prob <= 1:
+            raise ValueError(f"gridworld: slip_prob must be a number in [0, 1], got {slip_prob!r}")
+        if not isinstance(max_moves, int) or isinstance(max_moves, bool) or not 1 <= max_moves <= 1000:
+            raise ValueError(f"gridworld: max_moves must be an integer in 1..1000, got {max_moves!r}")
+        self.slip_prob = float(slip_prob)
+        self.max_moves = max_moves
+        self._grid: Optional[list[str]] = None
+        self._goal: Optional[tuple[int, int]] = None
+        self._rng: Optional[random.Random] = None
+        self._moves = 0
+        self.position: Optional[list[int]] = None
+        self.turns = 0
+        self.failed_tries = 0
+        self.slips = 0
+        self.walls = 0
+        self.done = False
+        self.reached = False
+
+    def reset(self, **row) -> Optional[str]:
+        grid, start, goal, seed = _instance(row)
+        self._grid, self._goal = grid, goal
+        self._rng = random.Random(seed)  # per episode: slips depend on the seed and the move count only
+        self._moves = 0
+        self.position = list(start)
+        self.turns = 0
+        self.failed_tries = 0
+        self.slips = 0
+        self.walls = 0
+        self.done = False
+        self.reached = False
+        return None  # the prompt already shows the grid
+
+    def move(self, direction: str) -> str:
+        """Move one cell on the grid.
+
+        Args:
+            direction: up, down, left or right.
+
+        Returns:
+            Where you are now, row and column, and what happened, e.g. "1 2", "1 2 slip", "0 2 wall", "2 2 goal".
+        """
+        self.turns += 1
+        if self._grid is None:
+            self.failed_tries += 1
+            return "error: no episode, call reset first"
+        if self.done:
+            self.failed_tries += 1
+            return "error: episode over"
+        if self._moves >= self.max_moves:
+            self.failed_tries += 1
+            self.done = True
+            return "error: no moves left"
+        if not isinstance(direction, str):
+            self.failed_tries += 1
+            return "error: direction must be a string"
+        name = ALIASES.get(direction.strip().lower()) if len(direction) <= MAX_DIRECTION_CHARS else None
+        if name is None:
+            self.failed_tries += 1
+            return "error: use up down left right"
+        self._moves += 1
+        slip_draw, side_draw = self._rng.random(), self._rng.random()  # two draws per move, always
+        slipped = slip_draw < self.slip_prob
+        if slipped:
+            name = PERPENDICULAR[name][side_draw < 0.5]
+        dr, dc = DIRECTIONS[name]
+        r, c = self.position[0] + dr, self.position[1] + dc
+        status = [" slip"] if slipped else []
+        self.slips += slipped
+        failed = slipped
+        if not (0 <= r < len(self._grid) and 0 <= c < len(self._grid[0])):
+            self.walls += 1
+            failed = True
+            status.append(" wall")
+        else:
+            self.position = [r, c]
+            if self._grid[r][c] == "O":
+                self.done = True
+                failed = True
+                status.append(" hole")
+            elif (r, c) == self._goal:
+                self.done = self.reached = True
+                status.append(" goal")
+        self.failed_tries += failed
+        return f"{self.position[0]} {self.position[1]}" + "".join(status)
+
+    def get_reward(self) -> float:
+        return 1.0 if self.reached else 0.0
+
+
+def correct(row: dict, text: str, env: GridWorld) -> bool:
+    """Solved: the episode's env reached the goal (`text` is not read: the env saw every move)."""
+    if not isinstance(env, GridWorld):
+        raise ValueError(f"gridworld: correct() needs the episode's GridWorld instance, got {type(env).__name__}")
+    return env.get_reward() == 1.0
+
+
+# ----------------------------------------------------------------------------------- solver
+def distances(grid: list[str], goal: tuple[int, int]) -> dict[tuple[int, int], int]:
+    """BFS from the goal over non-hole cells: {cell: moves to the goal} for every cell that can reach it."""
+    dist = {tuple(goal): 0}
+    queue = deque([tuple(goal)])
+    while queue:
+        r, c = queue.popleft()
+        for dr, dc in DIRECTIONS.values():
+            nxt = (r + dr, c + dc)
+            if 0 <= nxt[0] < len(grid) and 0 <= nxt[1] < len(grid[0]) and grid[nxt[0]][nxt[1]] != "O":
+                if nxt not in dist:
+                    dist[nxt] = dist[(r, c)] + 1
+                    queue.append(nxt)
+    return dist
+
+
+def policy(grid: list[str], dist: dict, position) -> str:
+    """The demo policy's move from `position`: one step along a shortest path to the goal, preferring moves
+    whose slips (the two perpendicular cells) cannot fall into a hole, then POLICY_ORDER."""
+
+    def hole(r: int, c: int) -> bool:
+        return 0 <= r < len(grid) and 0 <= c < len(grid[0]) and grid[r][c] == "O"
+
+    r, c = position
+    best = None
+    for name in POLICY_ORDER:
+        dr, dc = DIRECTIONS[name]
+        if dist.get((r + dr, c + dc), -1) != dist[(r, c)] - 1:
+            continue
+        risk = sum(hole(r + DIRECTIONS[p][0], c + DIRECTIONS[p][1]) for p in PERPENDICULAR[name])
+        if best is None or risk < best[0]:
+            best = (risk, name)
+    return best[1]
+
+
+def solve(grid: list[str], start, goal) -> Optional[list[str]]:
+    """A shortest list of moves from start to goal that never enters a hole (no slips), or None if none."""
+    dist = distances(grid, goal)
+    pos = tuple(start)
+    if pos not in dist:
+        return None
+    path = []
+    while pos != tuple(goal):
+        name = policy(grid, dist, pos)
+        path.append(name)
+        pos = (pos[0] + DIRECTIONS[name][0], pos[1] + DIRECTIONS[name][1])
+    return path
+
+
+# ----------------------------------------------------------------------------------- generation
+def _gen_knobs(knobs: dict) -> dict:
+    unknown = sorted(set(knobs) - set(GEN_DEFAULTS))
+    if unknown:
+        raise ValueError(f"gridworld: unknown generation knob(s) {unknown}; known: {sorted(GEN_DEFAULTS)}")
+    k = {**GEN_DEFAULTS, **knobs}
+    if not isinstance(k["size"], int) or isinstance(k["size"], bool) or not 2 <= k["size"] <= 8:
+        raise ValueError(f"gridworld: size must be an integer in 2..8, got {k['size']!r}")
+    hp = k["hole_prob"]
+    if not isinstance(hp, (int, float)) or isinstance(hp, bool) or not 0 <= hp <= 0.6:
+        raise ValueError(f"gridworld: hole_prob must be a number in [0, 0.6], got {hp!r}")
+    longest = 2 * (k["size"] - 1)  # the farthest two cells of an empty grid
+    mp = k["min_path"]
+    if not isinstance(mp, int) or isinstance(mp, bool) or not 1 <= mp <= longest:
+        raise ValueError(f"gridworld: min_path must be an integer in 1..{longest} (2*(size-1)), got {mp!r}")
+    return k
+
+
+def render(grid: list[str]) -> str:
+    """The grid as the prompt shows it: one line per row, cells separated by spaces (one token per cell)."""
+    return "\n".join(" ".join(line) for line in grid)
+
+
+def question(grid: list[str]) -> str:
+    return "Walk from S to G. O is a hole.\n" + render(grid)
+
+
+def instance_key(row: dict) -> str:
+    """The grid as one string: rows with the same key are the same puzzle (the seed aside)."""
+    return "/".join(_instance(row)[0])
+
+
+def _random_grid(k: dict, rng: random.Random) -> Optional[tuple[list[str], tuple, tuple]]:
+    size = k["size"]
+    cells = [(r, c) for r in range(size) for c in range(size)]
+    start, goal = rng.sample(cells, 2)
+    rows = [["O" if rng.random() < k["hole_prob"] else "." for _ in range(size)] for _ in range(size)]
+    rows[start[0]][start[1]], rows[goal[0]][goal[1]] = "S", "G"
+    grid = ["".join(line) for line in rows]
+    path = solve(grid, start, goal)
+    if path is None or len(path) < k["min_path"]:
+        return None
+    return grid, start, goal
+
+
+def demonstrate(row: dict, env: GridWorld) -> str:
+    """Run the demo policy through `env` from the row's start: the annotated moves and the final line."""
+    env.reset(**row)
+    grid, _, goal, _ = _instance(row)
+    dist = distances(grid, goal)
+    calls = []
+    while not env.done and env._moves < env.max_moves:
+        name = policy(grid, dist, env.position)
+        calls.append(f"<<{name}={env.move(name)}>>")
+    return " ".join(calls) + ("\n#### goal" if env.reached else "\n#### fail")
+
+
+def make_rows(
+    n: int,
+    rng: random.Random,
+    split: str,
+    env_knobs: Optional[dict] = None,
+    exclude: Iterable[str] = (),
+    **gen_knobs,
+) -> list[dict]:
+    """`n` solvable grids with demonstrations. `split`: "train" (seeds whose demo reaches the goal; slips and
+    re-plans included as they come) or "test" (any seed; the demo is the reference policy's run, which may end
+    "#### fail" when a slip drops it into a hole or the moves run out). `env_knobs`: the GridWorld knobs the
+    demos are run with (default ENV_DEFAULTS). `exclude`: instance_key()s not to generate. Only `rng` is drawn
+    from: same seed, same rows."""
+    if split not in SPLITS:
+        raise ValueError(f"gridworld: split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"gridworld: n must be a non-negative integer, got {n!r}")
+    k = _gen_knobs(gen_knobs)
+    env = GridWorld(**{**ENV_DEFAULTS, **(env_knobs or {})})
+    seen = set(exclude)
+    rows: list[dict] = []
+    attempts, max_attempts = 0, 1000 + MAX_ATTEMPTS_PER_ROW * n
+    while len(rows) < n:
+        attempts += 1
+        if attempts > max_attempts:
+            raise ValueError(
+                f"gridworld: only {len(rows)} of {n} grids found in {max_attempts} attempts with size={k['size']}, "
+                f"hole_prob={k['hole_prob']}, min_path={k['min_path']}, slip_prob={env.slip_prob}, "
+                f"max_moves={env.max_moves}: lower min_path, hole_prob or slip_prob, or raise max_moves or size"
+            )
+        made = _random_grid(k, rng)
+        if made is None:
+            continue
+        grid, start, goal = made
+        row = {"grid": grid, "start": list(start), "goal": list(goal), "seed": rng.randrange(2**31)}
+        key = instance_key(row)
+        if key in seen:
+            continue
+        answer = demonstrate(row, env)
+        if split == "train" and not env.reached:
+            continue  # the reference policy fell or ran out of moves with this seed: no demo to learn from
+        seen.add(key)
+        rows.append(
+            {
+                "question": question(grid),
+                "answer": answer,
+                "ground_truth": "goal",
+                **row,
+                "demo_slips": env.slips,
+                "shortest_path": len(solve(grid, start, goal)),
+            }
+        )
+    return rows

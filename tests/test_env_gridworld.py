@@ -1,0 +1,391 @@
+"""Gridworld environment: BFS solver, moves/slips/walls/holes, demos, hostile input, episode isolation, schema."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import deque
+
+import pytest
+
+from agentrl.envs import gridworld as gw
+from agentrl.envs.gridworld import GridWorld, correct, make_rows, solve
+
+CALL = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
+GRID = ["S.O.", "..O.", "....", "O..G"]
+ROW = {"id": "g1", "grid": GRID, "start": [0, 0], "goal": [3, 3], "seed": 5, "prompt": "ignored"}
+STEP = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+
+
+def episode(row=ROW, **knobs) -> GridWorld:
+    env = GridWorld(**knobs)
+    assert env.reset(**row) is None
+    return env
+
+
+def bfs_length(grid, start, goal):
+    """An independent shortest-path length (None if unreachable)."""
+    seen, queue = {tuple(start): 0}, deque([tuple(start)])
+    while queue:
+        r, c = queue.popleft()
+        if (r, c) == tuple(goal):
+            return seen[(r, c)]
+        for dr, dc in STEP.values():
+            nr, nc = r + dr, c + dc
+            if 0 <= nr < len(grid) and 0 <= nc < len(grid[0]) and grid[nr][nc] != "O" and (nr, nc) not in seen:
+                seen[(nr, nc)] = seen[(r, c)] + 1
+                queue.append((nr, nc))
+    return None
+
+
+def walk(grid, start, moves):
+    """The cells a slip-free walk visits; asserts it stays on the grid."""
+    r, c = start
+    cells = []
+    for m in moves:
+        r, c = r + STEP[m][0], c + STEP[m][1]
+        assert 0 <= r < len(grid) and 0 <= c < len(grid[0])
+        cells.append((r, c))
+    return cells
+
+
+# ----------------------------------------------------------------------------------- solver
+def test_solver_known_grid():
+    path = solve(GRID, [0, 0], [3, 3])
+    assert len(path) == 6 == bfs_length(GRID, [0, 0], [3, 3])
+    cells = walk(GRID, (0, 0), path)
+    assert cells[-1] == (3, 3) and all(GRID[r][c] != "O" for r, c in cells)
+
+
+def test_solver_none_when_walled_in():
+    assert solve(["S.O", "OO.", "..G"], [0, 0], [2, 2]) is None
+    assert solve(["SO", "OG"], [0, 0], [1, 1]) is None
+
+
+def test_solver_paths_are_shortest_and_avoid_holes():
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(300):
+        size = rng.randint(2, 6)
+        grid = [[("O" if rng.random() < 0.3 else ".") for _ in range(size)] for _ in range(size)]
+        start, goal = rng.sample([(r, c) for r in range(size) for c in range(size)], 2)
+        grid[start[0]][start[1]], grid[goal[0]][goal[1]] = "S", "G"
+        grid = ["".join(line) for line in grid]
+        path, length = solve(grid, start, goal), bfs_length(grid, start, goal)
+        assert (path is None) == (length is None)
+        if path is not None:
+            cells = walk(grid, start, path)
+            assert len(path) == length and cells[-1] == goal
+            assert all(grid[r][c] != "O" for r, c in cells)
+            checked += 1
+    assert checked > 100
+
+
+# ----------------------------------------------------------------------------------- the move tool
+def test_moves_walls_holes_and_goal_without_slips():
+    env = episode(slip_prob=0.0)
+    assert env.move("up") == "0 0 wall"
+    assert env.move("right") == "0 1"
+    assert env.move("right") == "0 2 hole"
+    assert env.done and not env.reached and env.get_reward() == 0.0
+    assert env.move("down") == "error: episode over"
+    assert (env.turns, env.failed_tries, env.walls, env.slips) == (4, 3, 1, 0)
+
+    env = episode(slip_prob=0.0)
+    outs = [env.move(m) for m in ["down", "d", " DOWN ", "Right", "r", "right"]]
+    assert outs == ["1 0", "2 0", "3 0 hole", "error: episode over", "error: episode over", "error: episode over"]
+
+    env = episode(slip_prob=0.0)
+    outs = [env.move(m) for m in solve(GRID, [0, 0], [3, 3])]
+    assert outs[-1] == "3 3 goal" and all(not o.endswith(("wall", "hole", "slip")) for o in outs)
+    assert env.reached and env.get_reward() == 1.0
+    assert (env.turns, env.failed_tries) == (6, 0)
+    assert env.move("left") == "error: episode over"
+
+
+@pytest.mark.parametrize(
+    "arg",
+    ["", "upp", "north", "u p", "__import__('os')", "ｕｐ", "up\x00", "up" * 5000, "(" * 1000, "<<up=1>>"],
+)
+def test_bad_directions_are_errors(arg):
+    env = episode()
+    assert env.move(arg) == "error: use up down left right"
+    assert (env.turns, env.failed_tries, env.position) == (1, 1, [0, 0])
+    assert env.move("right") in ("0 1", "1 0 slip", "0 0 slip wall")  # a bad call costs no move, no slip draw
+
+
+@pytest.mark.parametrize("arg", [5, None, ["up"], {"direction": "up"}, 1.5, b"up", True])
+def test_non_string_arguments_are_errors_not_raises(arg):
+    env = episode()
+    assert env.move(arg) == "error: direction must be a string"
+    assert (env.turns, env.failed_tries, env.position) == (1, 1, [0, 0])
+
+
+def test_results_fit_the_inline_annotation():
+    env = episode(slip_prob=0.5)
+    for arg in ["down", "right", "x" * 10_000, 7, "down", "right", "down", "right", "up", "left"]:
+        out = env.move(arg)
+        assert "<" not in out and ">" not in out and "=" not in out and len(out) <= 40, out
+
+
+def test_max_moves_knob():
+    env = episode(slip_prob=0.0, max_moves=2)
+    assert env.move("down") == "1 0"
+    assert env.move("right") == "1 1"
+    assert env.move("down") == "error: no moves left"
+    assert env.done and env.get_reward() == 0.0 and env.position == [1, 1]
+    assert episode(slip_prob=0.0, max_moves=3).move("down") == "1 0"
+
+
+def test_slip_prob_knob():
+    row = {**ROW, "grid": ["....", ".S..", "....", "...G"], "start": [1, 1]}
+    always = episode(row, slip_prob=1.0)
+    assert always.move("down") in ("1 0 slip", "1 2 slip")  # perpendicular to down: left or right
+    assert always.slips == 1 and always.failed_tries == 1
+    never = episode(row, slip_prob=0.0)
+    assert [never.move(m) for m in ["down", "up", "right", "left"]] == ["2 1", "1 1", "1 2", "1 1"]
+    assert never.slips == 0
+    some = episode(row, slip_prob=0.5, max_moves=200)
+    for _ in range(200):
+        some.move("up" if some.position[0] > 1 else "down")
+    assert 60 < some.slips < 140  # about half of 200 moves
+
+
+def test_slips_go_to_both_perpendicular_sides():
+    row = {**ROW, "grid": ["...", ".S.", "..G"], "start": [1, 1], "goal": [2, 2]}
+    seen = set()
+    for seed in range(40):
+        env = episode({**row, "seed": seed}, slip_prob=1.0)
+        seen.add(env.move("up"))
+    assert seen == {"1 0 slip", "1 2 slip"}
+
+
+@pytest.mark.parametrize(
+    "knobs, field",
+    [
+        ({"slip_prob": 1.5}, "slip_prob"),
+        ({"slip_prob": "0.2"}, "slip_prob"),
+        ({"max_moves": 0}, "max_moves"),
+        ({"max_moves": 2.5}, "max_moves"),
+    ],
+)
+def test_bad_env_knobs_name_the_field(knobs, field):
+    with pytest.raises(ValueError, match=field):
+        GridWorld(**knobs)
+    with pytest.raises(TypeError, match="colour"):
+        GridWorld(colour="red")
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"grid": ["S.", "..G"]}, "grid"),
+        ({"grid": ["S.X.", "..O.", "....", "O..G"]}, "grid"),
+        ({"grid": "S..G"}, "grid"),
+        ({"grid": []}, "grid"),
+        ({"start": [0, 1]}, "start"),
+        ({"start": [9, 0]}, "start"),
+        ({"start": "0 0"}, "start"),
+        ({"goal": [3, 2]}, "goal"),
+        ({"grid": ["S.G.", "..O.", "....", "O..G"]}, "goal"),
+        ({"seed": "5"}, "seed"),
+        ({"seed": None}, "seed"),
+    ],
+)
+def test_bad_rows_name_the_field(change, field):
+    with pytest.raises(ValueError, match=f"gridworld row 'g1': '{field}'"):
+        GridWorld().reset(**{**ROW, **change})
+
+
+def test_tool_before_reset_is_an_error():
+    env = GridWorld()
+    assert env.move("up") == "error: no episode, call reset first"
+    assert (env.turns, env.failed_tries) == (1, 1)
+    assert env.get_reward() == 0.0
+
+
+# ----------------------------------------------------------------------------------- isolation / determinism
+MOVES = ["down", "down", "right", "right", "down", "right", "up", "right", "down", "down", "left", "down"]
+
+
+def run(env, moves=MOVES):
+    return [env.move(m) for m in moves]
+
+
+def test_same_seed_same_slips_and_reset_replays():
+    a = run(episode(slip_prob=0.4))
+    assert a == run(episode(slip_prob=0.4))
+    env = episode(slip_prob=0.4)
+    first = run(env)
+    env.reset(**ROW)
+    assert (env.turns, env.failed_tries, env.slips, env.walls, env.done, env.reached) == (0, 0, 0, 0, False, False)
+    assert env.position == [0, 0]
+    assert run(env) == first  # reset restarts the episode's random stream too
+    outs = {tuple(run(episode({**ROW, "seed": s}, slip_prob=0.4))) for s in range(10)}
+    assert len(outs) > 1  # the seed matters
+
+
+def test_interleaved_episodes_never_share_state():
+    alone_a = run(episode(slip_prob=0.4))
+    alone_b = run(episode({**ROW, "seed": 99}, slip_prob=0.4))
+    a, b = episode(slip_prob=0.4), episode({**ROW, "seed": 99}, slip_prob=0.4)
+    inter_a, inter_b = [], []
+    for m in MOVES:
+        inter_a.append(a.move(m))
+        random.random()  # the global random stream is not the env's
+        inter_b.append(b.move(m))
+    assert (inter_a, inter_b) == (alone_a, alone_b)
+    c = episode(slip_prob=0.4)
+    c.move("down")
+    d = GridWorld(slip_prob=0.4)
+    assert (d.turns, d.failed_tries, d.position) == (0, 0, None)
+
+
+def test_reset_after_the_episode_ended():
+    env = episode(slip_prob=0.0)
+    env.move("right")
+    env.move("right")  # hole
+    assert env.done
+    env.reset(**{**ROW, "grid": ["S.", ".G"], "goal": [1, 1]})
+    assert env.move("right") == "0 1" and env.move("down") == "1 1 goal" and env.get_reward() == 1.0
+
+
+def test_correct_reads_the_env_not_the_text():
+    env = episode(slip_prob=0.0)
+    for m in solve(GRID, [0, 0], [3, 3]):
+        env.move(m)
+    assert correct(ROW, "", env) is True
+    lost = episode(slip_prob=0.0)
+    lost.move("down")
+    assert correct(ROW, "<<down=3 3 goal>>\n#### goal", lost) is False
+    with pytest.raises(ValueError, match="GridWorld instance"):
+        correct(ROW, "#### goal", None)
+
+
+# ----------------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("knobs", [{}, {"size": 3, "min_path": 2}, {"size": 6, "hole_prob": 0.3, "min_path": 6}])
+def test_generated_grids_are_solvable(knobs):
+    rows = make_rows(60, random.Random(1), "train", **knobs)
+    k = {**gw.GEN_DEFAULTS, **knobs}
+    for row in rows:
+        grid = row["grid"]
+        assert len(grid) == k["size"] and {len(line) for line in grid} == {k["size"]}
+        assert grid[row["start"][0]][row["start"][1]] == "S" and grid[row["goal"][0]][row["goal"][1]] == "G"
+        length = bfs_length(grid, row["start"], row["goal"])
+        assert length is not None and length >= k["min_path"] and row["shortest_path"] == length
+        assert row["ground_truth"] == "goal" and row["question"].endswith(gw.render(grid))
+        json.dumps(row)
+
+
+def test_hole_prob_knob():
+    def holes(p):
+        return sum(line.count("O") for r in make_rows(40, random.Random(2), "test", hole_prob=p) for line in r["grid"])
+
+    assert holes(0.0) == 0  # (an empty 4x4 grid has only 60 S/G placements with a path >= 4: n=40 fits)
+    assert holes(0.1) < holes(0.3)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+@pytest.mark.parametrize("env_knobs", [None, {"slip_prob": 0.0}, {"slip_prob": 0.4, "max_moves": 20}])
+def test_demos_replay_through_a_fresh_env(split, env_knobs):
+    rows = make_rows(60, random.Random(3), split, env_knobs=env_knobs)
+    for row in rows:
+        env = GridWorld(**(env_knobs or {}))
+        env.reset(**row)
+        calls = CALL.findall(row["answer"])
+        assert calls and row["answer"].count("<<") == len(calls)
+        for arg, result in calls:
+            assert arg in gw.DIRECTIONS
+            assert env.move(arg) == result
+        assert env.done or env.turns == env.max_moves
+        assert row["answer"].endswith("\n#### goal" if env.reached else "\n#### fail")
+        failed = [res for _, res in calls if res.endswith(("slip", "wall", "hole"))]  # 'slip wall' is one call
+        assert env.failed_tries == len(failed)
+        assert row["demo_slips"] == env.slips
+        if split == "train":
+            assert env.reached
+        if not (env_knobs or {}).get("slip_prob", gw.ENV_DEFAULTS["slip_prob"]):
+            assert len(calls) == row["shortest_path"]  # no slips: the clean BFS path
+
+
+def test_train_demos_show_slips_and_recovery():
+    rows = make_rows(200, random.Random(4), "train")
+    recovered = [r for r in rows if r["demo_slips"] > 0]
+    assert len(recovered) > 50  # ~half at slip_prob 0.2
+    for row in recovered[:20]:
+        results = [res for _, res in CALL.findall(row["answer"])]
+        assert any("slip" in res for res in results[:-1]) and results[-1].endswith("goal")
+
+
+def test_test_split_keeps_unlucky_seeds():
+    rows = make_rows(200, random.Random(5), "test", env_knobs={"slip_prob": 0.3})
+    endings = {r["answer"].rsplit("\n", 1)[1] for r in rows}
+    assert endings == {"#### goal", "#### fail"}
+
+
+def test_determinism_and_exclude():
+    a = make_rows(30, random.Random(11), "train")
+    assert a == make_rows(30, random.Random(11), "train")
+    assert a != make_rows(30, random.Random(12), "train")
+    keys = {gw.instance_key(r) for r in a}
+    assert len(keys) == 30
+    b = make_rows(30, random.Random(11), "test", exclude=keys)
+    assert not keys & {gw.instance_key(r) for r in b}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"size": 1}, "size"),
+        ({"size": 9}, "size"),
+        ({"hole_prob": 0.9}, "hole_prob"),
+        ({"min_path": 7}, "min_path"),  # 4x4: at most 6
+        ({"min_path": 0}, "min_path"),
+        ({"colour": 3}, "colour"),
+        ({"split": "dev"}, "split"),
+        ({"env_knobs": {"slip_prob": 2}}, "slip_prob"),
+    ],
+)
+def test_bad_generation_knobs_name_the_field(kwargs, field):
+    kwargs = {"split": "train", **kwargs}
+    with pytest.raises(ValueError, match=field):
+        make_rows(3, random.Random(0), **kwargs)
+
+
+def test_impossible_request_says_what_to_change():
+    with pytest.raises(ValueError, match="lower min_path"):
+        make_rows(5, random.Random(0), "train", size=2, min_path=2, hole_prob=0.6, env_knobs={"slip_prob": 1.0})
+
+
+def test_defaults_are_the_signature_defaults():
+    env = GridWorld()
+    assert {"slip_prob": env.slip_prob, "max_moves": env.max_moves} == gw.ENV_DEFAULTS
+    assert set(gw.GEN_DEFAULTS) == {"size", "hole_prob", "min_path"}
+
+
+# ----------------------------------------------------------------------------------- TRL shape
+def test_tool_schema_has_one_string_parameter():
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(GridWorld().move)["function"]
+    assert schema["name"] == "move"
+    assert list(schema["parameters"]["properties"]) == ["direction"]
+    prop = schema["parameters"]["properties"]["direction"]
+    assert prop["type"] == "string" and prop["description"]
+    assert schema["parameters"]["required"] == ["direction"]
+
+
+def test_one_public_tool_besides_reset_and_get_reward():
+    import inspect
+
+    public = [n for n, _ in inspect.getmembers(GridWorld, predicate=inspect.isfunction) if not n.startswith("_")]
+    assert sorted(public) == ["get_reward", "move", "reset"]
+
+
+def test_no_torch_import():
+    import subprocess
+    import sys
+
+    code = "import sys, agentrl.envs.gridworld; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
