@@ -3,6 +3,11 @@
 response, print p50/p95 latency and throughput (and write them as JSON with --out).
 
     python scripts/loadtest.py --model models/merged -n 200 -c 8
+    python scripts/loadtest.py --model models/merged --drop 24
+
+--drop N measures what clients that leave cost (issue 26 item 7): N streaming clients disconnect after the
+first chunk; reported are the server's CPU seconds from then until a following /generate is answered, and that
+request's latency, next to the same request on an idle server (CPU from /proc, so only for a server it started).
 """
 
 from __future__ import annotations
@@ -10,10 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -72,6 +79,51 @@ async def run(base: str, n: int, concurrency: int, max_tokens: int) -> dict:
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def drop(base: str, pid: Optional[int], n: int, max_tokens: int) -> dict:
+    """n SSE clients that leave after the first chunk; then one /generate: its latency and the server's CPU."""
+    probe = {"text": QUESTIONS[0], "max_tokens": max_tokens, "temperature": 0}
+    body = {"messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": max_tokens, "stream": True}
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+
+        async def timed_probe() -> tuple[float, float]:
+            cpu, t0 = cpu_seconds(pid) if pid else float("nan"), time.perf_counter()
+            r = await client.post("/generate", json=probe)
+            r.raise_for_status()
+            return time.perf_counter() - t0, (cpu_seconds(pid) - cpu) if pid else float("nan")
+
+        await timed_probe()  # warm-up
+        idle_latency, idle_cpu = await timed_probe()
+
+        async def leave() -> None:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data: "):
+                        return
+
+        cpu0, t0 = cpu_seconds(pid) if pid else float("nan"), time.perf_counter()
+        await asyncio.gather(*(leave() for _ in range(n)))
+        latency, _ = await timed_probe()
+        cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
+        health = (await client.get("/health")).json()
+    return {
+        "dropped_streams": n,
+        "max_tokens": max_tokens,
+        "next_request_s": round(latency, 3),
+        "idle_request_s": round(idle_latency, 3),
+        "server_cpu_s": round(cpu, 2),
+        "idle_request_cpu_s": round(idle_cpu, 2),
+        "latency_ratio": round(latency / idle_latency, 2),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "jobs_cancelled": health.get("jobs_cancelled"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/merged")
@@ -80,6 +132,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--url", default=None, help="use a running server instead of starting one")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--drop", type=int, default=0, help="measure N streaming clients that leave after one chunk")
     a = ap.parse_args()
     proc = None
     base = a.url
@@ -88,6 +141,12 @@ def main() -> None:
         log = Path("loadtest_server.log").open("w")
         proc, base = start_server(a.model, free_port(), output=log)
     try:
+        if a.drop:
+            res = asyncio.run(drop(base, proc.pid if proc else None, a.drop, a.max_tokens))
+            print(json.dumps(res, indent=2))
+            if a.out:
+                Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+            return
         res = asyncio.run(run(base, a.requests, a.concurrency, a.max_tokens))
     finally:
         if proc:

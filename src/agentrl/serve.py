@@ -4,21 +4,26 @@
     make serve PORT=8123 MODEL=models/merged
 
 Routes: POST /generate, POST /v1/chat/completions (OpenAI-compatible: messages, max_tokens /
-max_completion_tokens, temperature, top_p, stop, seed, n=1, stream with stream_options.include_usage),
-GET /health.
+max_completion_tokens, temperature, top_p, stop, seed, n=1, stream with stream_options.include_usage, and
+client-side function calling: tools, tool_choice, parallel_tool_calls; see openai_tools.py), GET /v1/models,
+GET /v1/models/{id}, GET /health.
 
 How a request flows:
   1. BodyLimit (ASGI middleware) refuses bodies over MAX_REQUEST_BYTES with 413 before anything parses them.
   2. The pydantic request models validate every field: finite numbers in sane ranges, valid Unicode (no lone
-     surrogates), roles system|user|assistant|tool; an unknown field (tools, response_format, ...) is refused
-     naming it. Errors on /v1 routes have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+     surrogates), roles system|developer|user|assistant|tool; an unknown field (response_format, ...) is
+     refused naming it. Errors on /v1 routes have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
   3. `Engine.prompt` tokenizes on a tokenizer thread (never on the event loop): the chat template's own
      pieces are tokenized with their control tokens, each message's content as plain text, so
      `<|im_start|>` typed by a user is text, never a turn boundary.
-  4. `complete()` is the one place a route asks for generation (a tool-calling loop plugs in there).
-     Jobs go to one worker that micro-batches them (serve.max_batch_size, serve.batch_wait_ms) and runs
-     them on one model thread, so the model is never used by two threads at once; per job it honours
-     max_tokens, stop strings and, when streaming, sends the text as it is generated.
+  4. `complete()` is the one place a route asks for generation. Jobs go to one worker that micro-batches
+     them (serve.max_batch_size, serve.batch_wait_ms) and runs them on one model thread, so the model is
+     never used by two threads at once; per job it honours max_tokens, stop strings and, when streaming,
+     sends the text as it is generated. Without `tools` in the request the policy's calls run server-side
+     (agent.generate_with_tools with the agent.* toolset); with `tools` generation stops at the policy's
+     call and the reply carries it as `tool_calls` for the client to run.
+  5. A client that disconnects cancels its job: a queued job is dropped, a running one ends at its next token
+     (streaming: Starlette cancels the response; plain: a watcher on the ASGI receive channel).
 """
 
 from __future__ import annotations
@@ -39,41 +44,42 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .agent import generate_with_tools
 from .answers import find_answer
 from .config import AgentParams, ServeParams, load_params
+from .openai_tools import (
+    Body,
+    MessageToolCall,
+    Text,
+    ToolChoice,
+    ToolPlan,
+    ToolRequestError,
+    Tools,
+    control_token_in,
+    open_inline_call,
+    parse_calls,
+    plan_tools,
+    render_conversation,
+    safe_prefix,
+)
 from .tools import toolset_from_params
 
 MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a model context, far below harm
 MIN_TEMPERATURE = 1e-2  # below this, sampling is greedy decoding (its limit; tiny values overflow logits)
 MAX_STOP = 4  # as OpenAI
+MAX_CALLS = 128  # tool calls in one assistant message
 DEFAULT_MAX_TOKENS = 256
 log = logging.getLogger("agentrl.serve")
 
 
 # ----------------------------------------------------------------------------- request models
-def _valid_unicode(s: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"invalid Unicode: lone surrogate at character {e.start}") from None
-    return s
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
 Temperature = Annotated[
     float, Field(ge=0.0, le=2.0, description=f"0 = greedy; values below {MIN_TEMPERATURE} decode greedily too")
 ]
-
-
-class Body(BaseModel):
-    """Strict request bodies: no coercion (`"1"` is not a number), no NaN/Infinity, no unknown fields."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class GenerateRequest(Body):
@@ -103,11 +109,14 @@ class TextPart(Body):
 
 
 class ChatMessage(Body):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: Union[Text, list[TextPart]]
-    tool_call_id: Optional[str] = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer system
+    content: Union[Text, list[TextPart], None] = None  # absent/null only in an assistant message with tool_calls
+    tool_calls: Optional[Annotated[list[MessageToolCall], Field(min_length=1, max_length=MAX_CALLS)]] = None
+    tool_call_id: Optional[Annotated[Text, Field(min_length=1, max_length=256)]] = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -135,6 +144,9 @@ class ChatRequest(Body):
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     logprobs: Optional[bool] = None
     user: Optional[str] = None  # an end-user id (OpenAI); not recorded
+    tools: Optional[Tools] = None  # functions the client runs (openai_tools.py); absent: calls run server-side
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -207,6 +219,8 @@ def _describe(err: dict) -> dict:
         msg = "request body is not valid JSON"
     elif err["type"] == "finite_number":
         msg = "must be a finite number (NaN and Infinity are not numbers)"
+    elif err["type"] == "value_error" and "error" in (err.get("ctx") or {}):
+        msg = str(err["ctx"]["error"])  # our validators' own message, without pydantic's "Value error, "
     else:
         msg = err.get("msg", "invalid value")
     return {"param": param, "message": msg}
@@ -280,13 +294,17 @@ def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: Optional[d
     contents (so markers do not come back verbatim) falls back to tokenizing the rendered prompt,
     refusing content that spells a special token."""
     tag = uuid.uuid4().hex
-    marks = [f"\x00{tag}:{i}\x00" for i in range(len(messages))]
+    # an empty content keeps its place (a template tests it: an assistant turn of tool calls only)
+    marks = [f"\x00{tag}:{i}\x00" if m["content"] else "" for i, m in enumerate(messages)]
     kw = template_kwargs or {}  # e.g. the tools a chat-format policy is told about
     rendered = tokenizer.apply_chat_template(
         [{**m, "content": mk} for m, mk in zip(messages, marks)], add_generation_prompt=True, tokenize=False, **kw
     )
     pieces, pos = [], 0
     for mk in marks:
+        if not mk:
+            pieces.append("")
+            continue
         at = rendered.find(mk, pos)
         if at < 0 or rendered.count(mk) != 1:
             return _fallback_prompt_ids(tokenizer, messages, kw)
@@ -346,6 +364,13 @@ class Job:
     future: asyncio.Future
     on_text: Optional[Callable[[str], None]] = None  # called (on the event loop) with each new piece of text
     sent: str = ""
+    server_tools: bool = True  # run the policy's calls (agent.* toolset); False: plain generation
+    stop_at_call: bool = False  # end at an opened inline call (`<<expr=`), which the client runs
+    prefix: str = ""  # text the assistant turn was started with (in the prompt): a forced call opener
+    cancelled: bool = False  # the client is gone: dropped from the queue, ended at its next token
+
+    def batch_key(self) -> tuple:
+        return (self.sampling.batch_key(), self.server_tools)
 
 
 def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
@@ -375,17 +400,38 @@ class Engine:
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.model_pool = ThreadPoolExecutor(1, thread_name_prefix="generate")
+        self.format = (agent or AgentParams()).format  # the policy's call syntax (client-side tools map to it)
         self.batches = 0
+        self.tokens_generated = 0  # tokens the model sampled, all requests (tool tokens excluded)
+        self.jobs_cancelled = 0  # jobs of clients that disconnected, dropped or ended early
 
     # ---- prompts (tokenizer thread)
-    async def prompt(self, messages: list[dict], max_tokens: int, field_text: str) -> list[int]:
-        """Validated prompt ids for `messages`, tokenized off the event loop."""
+    async def prompt(
+        self,
+        messages: list[dict],
+        max_tokens: int,
+        field_text: str,
+        template_kwargs: Optional[dict] = None,
+        continuation: tuple[tuple[str, bool], ...] = (),
+        prefix: str = "",
+    ) -> list[int]:
+        """Validated prompt ids for `messages`, tokenized off the event loop. `template_kwargs` replace the
+        server toolset's (client-side tools); `continuation` ((text, is_model_text) segments) continues an
+        open assistant turn, each segment tokenized on its own as the tool loop does, as plain text; `prefix`
+        starts the assistant's new text."""
         if not 1 <= max_tokens <= self.cfg.max_tokens_limit:
             raise ApiError("max_tokens", f"must be between 1 and {self.cfg.max_tokens_limit}, got {max_tokens}")
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(
-            self.tokenize_pool, chat_prompt_ids, self.encoder, messages, self.template_kwargs
-        )
+        kw = self.template_kwargs if template_kwargs is None else template_kwargs
+
+        def encode() -> list[int]:
+            ids = chat_prompt_ids(self.encoder, messages, kw)
+            for text, _model in continuation:
+                ids += self.encoder.encode(text, add_special_tokens=False, split_special_tokens=True)
+            if prefix:
+                ids += self.encoder.encode(prefix, add_special_tokens=False)
+            return ids
+
+        ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, encode)
         if len(ids) + max_tokens > self.context:
             raise ApiError(
                 field_text,
@@ -408,16 +454,24 @@ class Engine:
 
     def run_batch(self, jobs: list[Job], loop) -> list[dict]:
         """One tool loop (agent.generate_with_tools) for jobs sharing a batch key; each job ends at its own
-        eos / max_tokens / stop string; streaming jobs get their text (tool results included) as it grows."""
+        eos / max_tokens / stop string / opened call (client-side tools) or when its client is gone; streaming
+        jobs get their text (server-side tool results included) as it grows."""
         tok = self.tokenizer
         s = jobs[0].sampling
         stopped_by: dict[int, int] = {}  # job -> tokens it took to produce a stop string
+        called: set[int] = set()  # jobs that ended at an opened inline call
 
         def hook(i: int, _sample: int, completion_ids: list[int]) -> bool:
             job = jobs[i]
-            if not (job.sampling.stop or job.on_text):
+            if job.cancelled:
+                return True
+            watch_call = job.stop_at_call and "=" in tok.decode(completion_ids[-1:], skip_special_tokens=True)
+            if not (job.sampling.stop or job.on_text or watch_call):
                 return False
             text = tok.decode(self.until_eos(completion_ids), skip_special_tokens=True)
+            if watch_call and open_inline_call(job.prefix + text) is not None:
+                called.add(i)
+                return True
             text, stopped = _cut_at_stop(text, job.sampling.stop)
             if stopped:
                 stopped_by[i] = len(completion_ids)
@@ -432,7 +486,7 @@ class Engine:
             self.model,
             tok,
             [j.prompt_ids for j in jobs],
-            self.toolset,
+            self.toolset if jobs[0].server_tools else None,
             [j.sampling.max_tokens for j in jobs],
             batch_size=len(jobs),
             temperature=0.0 if s.greedy else s.temperature,
@@ -459,13 +513,17 @@ class Engine:
                         if _cut_at_stop(tok.decode(toks[:k], skip_special_tokens=True), job.sampling.stop)[1]
                     )
                     toks, lp, text, finish = toks[:k], lp[:k], cut, "stop"
-            self.send_text(job, text, loop)
+            if not job.stop_at_call or i not in called:
+                self.send_text(job, text, loop)  # (a call's text is the client's to run, not content)
             r = self._result(toks, lp, text, finish, len(job.prompt_ids))
             r["tool_calls"] = [
                 {"name": c["name"], "arguments": c["arguments"], "result": c["result"], "ok": c["ok"]}
                 for c in roll.calls
             ]
+            r["called"] = i in called
             results.append(r)
+            self.tokens_generated += sum(roll.env_mask)
+            self.jobs_cancelled += job.cancelled
         self.batches += 1
         return results
 
@@ -506,7 +564,10 @@ class Engine:
                     break
             groups: dict[tuple, list[Job]] = {}
             for j in batch:
-                groups.setdefault(j.sampling.batch_key(), []).append(j)
+                if j.cancelled:  # its client disconnected while it waited
+                    self.jobs_cancelled += 1
+                    continue
+                groups.setdefault(j.batch_key(), []).append(j)
             for jobs in groups.values():
                 try:
                     results = await loop.run_in_executor(self.model_pool, self.run_batch, jobs, loop)
@@ -519,23 +580,60 @@ class Engine:
                         if not j.future.done():
                             j.future.set_exception(e)
 
-    async def submit(
-        self, prompt_ids: list[int], sampling: Sampling, on_text: Optional[Callable[[str], None]] = None
-    ) -> dict:
-        job = Job(prompt_ids, sampling, asyncio.get_running_loop().create_future(), on_text)
+    async def submit(self, job: Job, request: Optional[Request] = None) -> dict:
+        """The job's result. Cancelling the caller (a streaming client that disconnected) or the client
+        disconnecting (`request` given: a plain request) marks the job cancelled, so it stops using the model."""
         await self.queue.put(job)
-        return await job.future
+        watcher = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+        try:
+            if watcher is None:
+                return await job.future
+            await asyncio.wait({job.future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if job.future.done():
+                return job.future.result()
+            raise ClientGone()
+        except (asyncio.CancelledError, ClientGone):
+            job.cancelled = True
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+
+class ClientGone(Exception):
+    """The client of a plain request disconnected before its completion was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: the ASGI channel has nothing else to say)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def complete(
-    engine: Engine, prompt_ids: list[int], sampling: Sampling, on_text: Optional[Callable[[str], None]] = None
+    engine: Engine,
+    prompt_ids: list[int],
+    sampling: Sampling,
+    on_text: Optional[Callable[[str], None]] = None,
+    request: Optional[Request] = None,
+    plan: Optional[ToolPlan] = None,
 ) -> dict:
     """The one generation entry point of the routes: a completion for a tokenized chat prompt.
 
-    Returns {text, answer, confidence, tokens, finish_reason, prompt_tokens}; `on_text` receives the text
-    as it is generated (streaming). A tool-calling loop (generate_with_tools) replaces this call: it
-    would call engine.submit per turn, run the tools, and extend the prompt."""
-    return await engine.submit(prompt_ids, sampling, on_text)
+    Returns {text, answer, confidence, tokens, finish_reason, prompt_tokens, tool_calls (run server-side),
+    called}; `on_text` receives the text as it is generated (streaming). With `plan` (client-side tools) the
+    policy's calls are not run: an inline call ends the completion (`called`). `request`: a plain request,
+    watched for its client disconnecting (ClientGone)."""
+    job = Job(
+        prompt_ids,
+        sampling,
+        asyncio.get_running_loop().create_future(),
+        on_text,
+        server_tools=plan is None,
+        stop_at_call=plan is not None and plan.fmt == "inline" and plan.parses_calls,
+        prefix=plan.prefix if plan is not None else "",
+    )
+    return await engine.submit(job, request)
 
 
 # -------------------------------------------------------------------------------------- app
@@ -596,6 +694,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     )
 
 
+@app.exception_handler(ClientGone)
+async def _client_gone(request: Request, exc: ClientGone):
+    return Response(status_code=499)  # nobody reads it: the client disconnected (nginx's 499)
+
+
 @app.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception):
     log.exception("unhandled error")
@@ -616,7 +719,39 @@ async def health(request: Request):
         "device": e.device,
         "context": e.context,
         "batches_run": e.batches,
+        "tokens_generated": e.tokens_generated,
+        "jobs_cancelled": e.jobs_cancelled,
     }
+
+
+def _model_card(e: Engine) -> dict:
+    config = Path(e.path) / "config.json"
+    return {
+        "id": e.path,  # the served model directory (the `model` of a request is not checked against it)
+        "object": "model",
+        "created": int(config.stat().st_mtime) if config.exists() else 0,
+        "owned_by": "agentrl",
+        "max_model_len": e.context,
+        "tool_call_format": e.format,
+    }
+
+
+@app.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(_engine(request))]}
+
+
+@app.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    card = _model_card(_engine(request))
+    if model_id != card["id"]:
+        raise ApiError(
+            "model",
+            f"the model {model_id!r} does not exist; this server serves {card['id']!r}",
+            404,
+            code="model_not_found",
+        )
+    return card
 
 
 @app.post("/generate", response_model=GenerateResponse)
@@ -625,7 +760,7 @@ async def generate(req: GenerateRequest, request: Request):
     if not req.text.strip():
         raise ApiError("text", "must be a non-empty string")
     ids = await e.prompt([{"role": "user", "content": req.text}], req.max_tokens, "text")
-    r = await complete(e, ids, Sampling(req.max_tokens, req.temperature))
+    r = await complete(e, ids, Sampling(req.max_tokens, req.temperature), request=request)
     return GenerateResponse(
         text=r["text"], answer=r["answer"], confidence=r["confidence"], tokens=r["tokens"], tool_calls=r["tool_calls"]
     )
@@ -651,43 +786,98 @@ def _chat_sampling(req: ChatRequest, e: Engine) -> Sampling:
     return Sampling(max_tokens, req.temperature or 0.0, req.top_p or 1.0, req.seed, stop)
 
 
+def _chat_messages(req: ChatRequest) -> list[dict]:
+    """The request's messages as dicts ({role, content, tool_calls, tool_call_id}), each checked for the fields
+    its role allows; `developer` is rendered as `system`."""
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise ApiError(f"messages.{i}.content", "required (only an assistant message with tool_calls may omit it)")
+        if m.tool_calls and m.role != "assistant":
+            raise ApiError(f"messages.{i}.tool_calls", "only an assistant message carries tool calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise ApiError(f"messages.{i}.tool_call_id", "only a tool message answers a tool call")
+        content = m.text()
+        if not content.strip() and m.role != "assistant":
+            raise ApiError(f"messages.{i}.content", "must be non-empty")
+        out.append(
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": content,
+                "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None,
+                "tool_call_id": m.tool_call_id,
+            }
+        )
+    if out[-1]["role"] == "assistant":
+        raise ApiError(
+            f"messages.{len(out) - 1}.role",
+            "the last message must not be the assistant's (continuing an assistant message is not supported)",
+        )
+    return out
+
+
+async def _chat_prompt(e: Engine, req: ChatRequest, sampling: Sampling, plan: Optional[ToolPlan]) -> list[int]:
+    """Prompt ids of a chat request: the plain template rendering, or (tools in the request or tool calls in its
+    history) the conversation rendered in the policy's call format (openai_tools.render_conversation)."""
+    messages = _chat_messages(req)
+    if plan is None and not any(m["tool_calls"] or m["tool_call_id"] is not None for m in messages):
+        return await e.prompt(
+            [{"role": m["role"], "content": m["content"]} for m in messages], sampling.max_tokens, "messages"
+        )
+    try:
+        rendered, continuation = render_conversation(messages, e.format)
+    except ToolRequestError as x:
+        raise ApiError(x.param, x.message) from None
+    kw = None
+    if plan is not None and e.format == "chat":
+        kw = {**e.template_kwargs, "tools": plan.template_tools()}
+    if e.format == "chat":  # what the template renders itself (tools, call arguments) must not spell control tokens
+        specials = [t for t in e.encoder.all_special_tokens if t]
+        for where, value in [("tools", plan.template_tools() if plan else [])] + [
+            (f"messages.{i}.tool_calls", m["tool_calls"]) for i, m in enumerate(messages) if m["tool_calls"]
+        ]:
+            hit = control_token_in(value, specials)
+            if hit:
+                raise ApiError(
+                    where, f"contains the control token {hit!r}, which the chat template would not keep as text"
+                )
+    return await e.prompt(
+        rendered, sampling.max_tokens, "messages", kw, tuple(continuation), plan.prefix if plan is not None else ""
+    )
+
+
 @app.post("/v1/chat/completions")
 async def chat(req: ChatRequest, request: Request):
     e = _engine(request)
     sampling = _chat_sampling(req, e)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    for i, m in enumerate(messages):
-        if not m["content"].strip() and m["role"] != "assistant":
-            raise ApiError(f"messages.{i}.content", "must be non-empty")
-    if messages[-1]["role"] == "assistant":
-        raise ApiError(
-            f"messages.{len(messages) - 1}.role",
-            "the last message must not be the assistant's (continuing an assistant message is not supported)",
-        )
-    ids = await e.prompt(messages, sampling.max_tokens, "messages")
+    try:
+        plan = plan_tools(e.format, req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolRequestError as x:
+        raise ApiError(x.param, x.message) from None
+    ids = await _chat_prompt(e, req, sampling, plan)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or e.path
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(e, ids, sampling, cid, created, model, include_usage),
+            _stream(e, ids, sampling, cid, created, model, include_usage, plan),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache"},
         )
-    r = await complete(e, ids, sampling)
+    r = await complete(e, ids, sampling, request=request, plan=plan)
+    message: dict = {"role": "assistant", "content": r["text"]}
+    finish = r["finish_reason"]
+    if plan is not None:
+        content, calls = parse_calls(plan.prefix + r["text"], plan, r["called"])
+        message["content"] = content
+        if calls:
+            message["tool_calls"], finish = calls, "tool_calls"
     return JSONResponse(
         {
             "id": cid,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": r["text"]},
-                    "finish_reason": r["finish_reason"],
-                    "logprobs": None,
-                }
-            ],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": _usage(r),
             "answer": r["answer"],
             "confidence": r["confidence"],
@@ -705,9 +895,18 @@ def _usage(r: dict) -> dict:
 
 
 async def _stream(
-    e: Engine, ids: list[int], sampling: Sampling, cid: str, created: int, model: str, include_usage: bool
+    e: Engine,
+    ids: list[int],
+    sampling: Sampling,
+    cid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    plan: Optional[ToolPlan] = None,
 ):
-    """Server-sent events in OpenAI's chat.completion.chunk format, ending with `data: [DONE]`."""
+    """Server-sent events in OpenAI's chat.completion.chunk format, ending with `data: [DONE]`. With client-side
+    tools, text that may become a call is held back; a call comes as tool_calls deltas (id, type and name
+    first, then the arguments), as OpenAI streams them. A client that disconnects cancels the generation."""
     pieces: asyncio.Queue[str] = asyncio.Queue()
 
     def event(choices: list, **extra) -> str:
@@ -729,21 +928,56 @@ async def _stream(
     def delta(d: dict, finish: Optional[str] = None) -> str:
         return event([{"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}])
 
+    generated, shown = "", ""  # text so far; the part of it sent as content
+
+    def content_delta(safe: str) -> Optional[str]:
+        nonlocal shown
+        if len(safe) > len(shown) and safe.startswith(shown):
+            piece, shown = safe[len(shown) :], safe
+            return delta({"content": piece})
+        return None
+
+    def visible(text: str) -> str:
+        return text if plan is None else safe_prefix(plan.prefix + text, plan)
+
     yield delta({"role": "assistant", "content": ""})
-    task = asyncio.ensure_future(complete(e, ids, sampling, on_text=pieces.put_nowait))
+    task = asyncio.ensure_future(complete(e, ids, sampling, on_text=pieces.put_nowait, plan=plan))
     try:
         while True:
             getter = asyncio.ensure_future(pieces.get())
             await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield delta({"content": getter.result()})
-                continue
-            getter.cancel()
-            while not pieces.empty():
-                yield delta({"content": pieces.get_nowait()})
-            break
+            if not getter.done():
+                getter.cancel()
+            got = [getter.result()] if getter.done() and not getter.cancelled() else []
+            if task.done():
+                while not pieces.empty():
+                    got.append(pieces.get_nowait())
+            for piece in got:
+                generated += piece
+                out = content_delta(visible(generated))
+                if out:
+                    yield out
+            if task.done():
+                break
         r = task.result()
-        yield delta({}, r["finish_reason"])
+        finish, calls = r["finish_reason"], []
+        if plan is not None:
+            content, calls = parse_calls(plan.prefix + r["text"], plan, r["called"])
+            out = content_delta(content or "")
+        else:
+            out = content_delta(r["text"])
+        if out:
+            yield out
+        for k, c in enumerate(calls):
+            head = {
+                "index": k,
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": ""},
+            }
+            yield delta({"tool_calls": [head]})
+            yield delta({"tool_calls": [{"index": k, "function": {"arguments": c["function"]["arguments"]}}]})
+        yield delta({}, "tool_calls" if calls else finish)
         if include_usage:
             yield event([], usage=_usage(r))
     except Exception:  # the status line is sent: report the error in the stream, as OpenAI does
@@ -755,4 +989,7 @@ async def _stream(
             )
             + "\n\n"
         )
+    finally:
+        if not task.done():  # the client disconnected (Starlette cancelled this response): stop generating
+            task.cancel()
     yield "data: [DONE]\n\n"

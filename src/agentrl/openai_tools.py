@@ -1,0 +1,424 @@
+"""Client-side function calling for `/v1/chat/completions` (OpenAI's `tools`): the request models, how a
+request's tools and its tool-call history become the policy's prompt, and how the policy's call becomes
+`tool_calls` in the reply.
+
+The policy writes calls in its own format (`agent.format`, tools.py); this module maps that format to
+OpenAI's:
+
+  inline  (the embedded default, GSM8K's calculator syntax) The request declares one function with one
+          string parameter (any name: `calculator(expression)`, `calc(expr)`). When the policy writes
+          `<<48/2=`, generation stops and the reply is `content: "...48/2="`, `tool_calls: [{function:
+          {name, arguments: '{"expression": "48/2"}'}}]`, finish_reason `tool_calls`. The client's `tool`
+          message comes back as the tool part of the annotation, `24>>`, and the same assistant turn goes on:
+          exactly the text the server-side loop would have built. The function's description is not shown to
+          this policy (it was trained on the syntax alone).
+  chat    (Qwen3-style hub models) The request's tools go to the chat template (`tools=`), which describes them
+          to the policy; `<tool_call>{"name", "arguments"}</tool_call>` blocks in its turn become `tool_calls`;
+          assistant `tool_calls` and `tool` messages in the history are rendered by the template.
+
+`tool_choice`: `auto` (default), `none` (no call is parsed; the prompt still lists the tools), `required` or
+`{"type": "function", "function": {"name": ...}}`: the assistant turn is started with the format's call opener
+(`<<`; `<tool_call>` plus the name), so the policy's reply is that call. A call that does not parse (bad JSON,
+unknown function) comes back as plain content with finish_reason `stop`, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from .tools import InlineFormat
+
+MAX_TOOLS = 128  # as OpenAI
+MAX_TOOLS_JSON = 64 * 1024  # characters of all tools' JSON together (the prompt of a chat-format policy)
+MAX_SCHEMA_DEPTH = 16  # nesting of a function's `parameters` (objects and arrays)
+MAX_SCHEMA_NODES = 2000  # objects, arrays and values in one function's `parameters`
+MAX_DESCRIPTION = 4096
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # as OpenAI
+CALL_OPENERS = {"inline": "<<", "chat": "<tool_call>\n"}
+
+
+# ----------------------------------------------------------------------------- request models
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode: lone surrogate at character {e.start}") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class Body(BaseModel):
+    """Strict request bodies: no coercion (`"1"` is not a number), no NaN/Infinity, no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _check_schema(schema: dict) -> dict:
+    """A function's `parameters`: a JSON schema of type object, bounded in depth, size and valid Unicode.
+    Walked with an explicit stack (a hostile depth never reaches Python's recursion limit)."""
+    if schema.get("type", "object") != "object":
+        raise ValueError(f"must be a JSON schema of type 'object', got type {_short(schema.get('type'))}")
+    stack, nodes = [(schema, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        if nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"more than {MAX_SCHEMA_NODES} values")
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            if isinstance(k, str):
+                _valid_unicode(k)
+            if isinstance(v, str):
+                _valid_unicode(v)
+            elif isinstance(v, float) and v != v:  # NaN cannot be rendered as JSON
+                raise ValueError("contains NaN")
+            elif isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+    return schema
+
+
+def _short(x: Any) -> str:
+    s = repr(x)
+    return s if len(s) <= 40 else s[:40] + "..."
+
+
+class FunctionDef(Body):
+    name: Annotated[Text, Field(pattern=FUNCTION_NAME)]
+    description: Optional[Annotated[Text, Field(max_length=MAX_DESCRIPTION)]] = None
+    parameters: Optional[Annotated[dict[str, Any], AfterValidator(_check_schema)]] = None
+    strict: Optional[bool] = None
+
+    def properties(self) -> dict:
+        props = (self.parameters or {}).get("properties") or {}
+        return props if isinstance(props, dict) else {}
+
+
+class ToolDef(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+def _tools_size(tools: list[ToolDef]) -> list[ToolDef]:
+    names = [t.function.name for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"function {dup!r} is declared twice")
+    size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools], ensure_ascii=False))
+    if size > MAX_TOOLS_JSON:
+        raise ValueError(f"the tools' JSON is {size} characters; at most {MAX_TOOLS_JSON}")
+    return tools
+
+
+Tools = Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS), AfterValidator(_tools_size)]
+
+
+class FunctionName(Body):
+    name: Text
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class CallFunction(Body):
+    name: Text
+    arguments: Text  # a JSON object, as a string (OpenAI's shape)
+
+
+class MessageToolCall(Body):
+    id: Annotated[Text, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: CallFunction
+
+
+# ------------------------------------------------------------------------------------- errors
+class ToolRequestError(ValueError):
+    """A request that cannot be served as asked; `param` names the field (serve.py renders it as a 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+# --------------------------------------------------------------------------------------- plan
+@dataclass
+class ToolPlan:
+    """How one request's tools are served: the policy's format, the declared functions, the choice."""
+
+    fmt: str  # inline | chat
+    functions: dict[str, FunctionDef]
+    choice: str  # auto | none | required | named
+    forced: Optional[str] = None  # the function tool_choice names
+    parallel: bool = True
+    inline_function: Optional[str] = None  # inline: the one function the policy's `<<expr=` calls
+    inline_argument: Optional[str] = None  # ... and its one string parameter
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def prefix(self) -> str:
+        """Text the assistant turn starts with: the call opener when a call is required."""
+        if self.choice not in ("required", "named"):
+            return ""
+        if self.fmt == "chat" and self.forced:
+            return f'{CALL_OPENERS["chat"]}{{"name": "{self.forced}", "arguments": '
+        return CALL_OPENERS[self.fmt]
+
+    def template_tools(self) -> list[dict]:
+        """The tools as the chat template takes them (OpenAI's JSON shape); the inline format shows none."""
+        if self.fmt != "chat":
+            return []
+        return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions.values()]
+
+
+def plan_tools(
+    fmt: str, tools: Optional[list[ToolDef]], tool_choice: Optional[ToolChoice], parallel: Optional[bool]
+) -> Optional[ToolPlan]:
+    """The plan for a request's `tools`/`tool_choice`, or None when it has no tools (the server-side loop)."""
+    if tools is None:
+        if tool_choice is not None:
+            raise ToolRequestError("tool_choice", "only allowed when tools are given")
+        if parallel is not None:
+            raise ToolRequestError("parallel_tool_calls", "only allowed when tools are given")
+        return None
+    functions = {t.function.name: t.function for t in tools}
+    forced = None
+    if isinstance(tool_choice, NamedToolChoice):
+        forced = tool_choice.function.name
+        if forced not in functions:
+            raise ToolRequestError(
+                "tool_choice.function.name", f"{forced[:64]!r} is not among the declared tools: {', '.join(functions)}"
+            )
+        choice = "named"
+    else:
+        choice = tool_choice or "auto"
+    plan = ToolPlan(fmt, functions, choice, forced, parallel is not False)
+    if fmt == "inline":
+        candidates = [forced] if forced else list(functions)
+        if len(candidates) != 1:
+            raise ToolRequestError(
+                "tools",
+                f"this model writes calls in the inline calculator syntax, which calls one function; the request "
+                f"declares {len(candidates)} ({', '.join(candidates)[:200]}): declare one, or name one in tool_choice",
+            )
+        name = candidates[0]
+        props = functions[name].properties()
+        strings = [k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"]
+        if len(props) != 1 or len(strings) != 1:
+            i = list(functions).index(name)
+            raise ToolRequestError(
+                f"tools.{i}.function.parameters",
+                f"function {name!r}: the inline calculator syntax passes one string argument, so its parameters "
+                f"must have exactly one property, of type string (e.g. {{'expression': {{'type': 'string'}}}})",
+            )
+        plan.inline_function, plan.inline_argument = name, strings[0]
+    return plan
+
+
+# ------------------------------------------------------------------------------ conversation
+def _args(raw: str, param: str) -> dict:
+    try:
+        args = json.loads(raw)
+    except ValueError:
+        raise ToolRequestError(param, "must be a JSON object (as a string)") from None
+    if not isinstance(args, dict):
+        raise ToolRequestError(param, f"must be a JSON object, got {type(args).__name__}")
+    return args
+
+
+def render_conversation(messages: list[dict], fmt: str) -> tuple[list[dict], list[tuple[str, bool]]]:
+    """(messages for the chat template, continuation) for a conversation that may hold tool calls.
+
+    messages: {role, content (str), tool_calls (list of MessageToolCall dicts) or None, tool_call_id}. Every
+    tool message must answer a call of the assistant message before it, and every call must be answered
+    before the next other message (errors name the message). chat format: the calls go to the template
+    (arguments as objects). inline format: an assistant message, its calls and their results become one
+    assistant turn, `content<<args=result>>...`, continued by an assistant message right after the results;
+    when the conversation ends inside that turn (its last message is a tool result) the turn is left open as
+    `continuation`: (text, is_model_text) segments the policy continues, tokenized piece by piece as the
+    server-side loop builds them."""
+    out: list[dict] = []
+    pending: dict[str, Optional[str]] = {}  # call id -> its result (None until a tool message answers it)
+    order: list[tuple[str, str]] = []  # inline: (call id, expression) of the latest assistant message
+    turn: Optional[list[tuple[str, bool]]] = None  # inline: segments of the assistant turn being built
+
+    def close_turn():
+        nonlocal turn
+        if turn is not None:
+            out.append({"role": "assistant", "content": "".join(t for t, _ in turn)})
+            turn = None
+
+    def check_answered(where: str):
+        missing = [c for c, r in pending.items() if r is None]
+        if missing:
+            raise ToolRequestError(where, f"the tool call {missing[0][:64]!r} is not answered by a tool message")
+
+    for i, m in enumerate(messages):
+        role, calls = m["role"], m.get("tool_calls") or []
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if cid is None:
+                raise ToolRequestError(f"messages.{i}.tool_call_id", "required in a tool message")
+            if cid not in pending:
+                raise ToolRequestError(
+                    f"messages.{i}.tool_call_id",
+                    f"{cid[:64]!r} answers no tool call of the assistant message before it",
+                )
+            if pending[cid] is not None:
+                raise ToolRequestError(f"messages.{i}.tool_call_id", f"{cid[:64]!r} is answered twice")
+            pending[cid] = m["content"]
+            if fmt == "chat":
+                out.append({"role": "tool", "content": m["content"]})
+            elif all(pending[c] is not None for c, _ in order):  # results in the order of the calls
+                for c, expr in order:
+                    turn += [(f"<<{expr}=", True), (f"{pending[c]}>>", False)]
+            continue
+        check_answered(f"messages.{i}")
+        continues = fmt == "inline" and role == "assistant" and turn is not None and messages[i - 1]["role"] == "tool"
+        pending, order = {}, []
+        if not continues:
+            close_turn()
+        if role != "assistant":
+            out.append({"role": role, "content": m["content"]})
+            continue
+        for j, c in enumerate(calls):
+            if c["id"] in pending:
+                raise ToolRequestError(f"messages.{i}.tool_calls.{j}.id", f"{c['id'][:64]!r} is used twice")
+            pending[c["id"]] = None
+        where = f"messages.{i}.tool_calls"
+        if fmt == "chat":
+            msg: dict = {"role": "assistant", "content": m["content"]}
+            if calls:
+                msg["tool_calls"] = [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": _args(c["function"]["arguments"], f"{where}.{j}.function.arguments"),
+                        },
+                    }
+                    for j, c in enumerate(calls)
+                ]
+            out.append(msg)
+            continue
+        turn = (turn or []) + [(m["content"], True)]
+        for j, c in enumerate(calls):
+            values = list(_args(c["function"]["arguments"], f"{where}.{j}.function.arguments").values())
+            if len(values) != 1 or not isinstance(values[0], str):
+                raise ToolRequestError(
+                    f"{where}.{j}.function.arguments", "this model's inline calculator syntax takes one string argument"
+                )
+            order.append((c["id"], values[0]))
+        if not calls:
+            close_turn()
+    check_answered(f"messages.{len(messages) - 1}")
+    if turn is not None:  # the conversation ends with tool results: the policy continues its turn
+        return out, _merge(turn)
+    return out, []
+
+
+def _merge(segments: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    out: list[tuple[str, bool]] = []
+    for text, model in segments:
+        if not text:
+            continue
+        if out and out[-1][1] == model:
+            out[-1] = (out[-1][0] + text, model)
+        else:
+            out.append((text, model))
+    return out
+
+
+# ---------------------------------------------------------------------------------- parsing
+_CHAT_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def open_inline_call(text: str) -> Optional[str]:
+    """The expression of the inline call `text` ends with (`...<<48/2=`), else None."""
+    call = InlineFormat().open_call(text)
+    return None if call is None else call.arguments["expression"]
+
+
+def safe_prefix(text: str, plan: ToolPlan) -> str:
+    """The part of `text` (generated so far) that is content whatever comes next: streaming holds back a
+    possible call opener, so content deltas never contain what becomes a tool call."""
+    if not plan.parses_calls:
+        return text
+    if plan.fmt == "inline":
+        at = text.rfind("<<")
+        if at >= 0 and text.rfind(">>") < at:
+            return text[:at]
+        return text[:-1] if text.endswith("<") else text
+    at = text.find("<tool_call>")
+    if at >= 0:
+        return text[:at]
+    opener = "<tool_call>"
+    for k in range(len(opener) - 1, 0, -1):
+        if text.endswith(opener[:k]):
+            return text[:-k]
+    return text
+
+
+def parse_calls(text: str, plan: ToolPlan, called: bool) -> tuple[Optional[str], list[dict]]:
+    """(content, tool_calls) of a finished completion. `called`: generation stopped at an inline call."""
+    if not plan.parses_calls:
+        return text, []
+    if plan.fmt == "inline":
+        expr = open_inline_call(text) if called else None
+        if expr is None:
+            return text, []
+        content = text[: text.rfind("<<")]
+        args = json.dumps({plan.inline_argument: expr}, ensure_ascii=False)
+        return content or None, [_call(plan.inline_function, args)]
+    blocks = list(_CHAT_CALL.finditer(text))
+    if not blocks:
+        return text, []
+    calls = []
+    for b in blocks:
+        try:
+            payload = json.loads(b.group(1))
+            name, args = payload["name"], payload.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []  # not a call: the text is the content, as OpenAI-compatible servers return it
+        if not isinstance(name, str) or name not in plan.functions or not isinstance(args, dict):
+            return text, []
+        if plan.forced and name != plan.forced:
+            return text, []
+        calls.append(_call(name, json.dumps(args, ensure_ascii=False)))
+    if not plan.parallel:
+        calls = calls[:1]
+    content = text[: blocks[0].start()].strip()
+    return content or None, calls
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def control_token_in(value: Any, specials: list[str]) -> Optional[str]:
+    """The first special token spelled inside a JSON-like value (tools and call arguments that a chat template
+    renders as its own text, where a control token would be one), else None."""
+    text = json.dumps(value, ensure_ascii=False)
+    return next((t for t in specials if t in text), None)
