@@ -21,7 +21,7 @@ import yaml
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from agentrl.testing import free_port
-from conftest import mini_params, tiny_lm
+from conftest import ROOT, mini_params, tiny_lm
 
 QUESTION = "Tom has 12 apples. He buys 7 more. How many now?"
 CALC = {
@@ -38,6 +38,8 @@ CALC = {
     },
 }
 ASSISTANT = "<|im_start|>assistant\n"
+MERGED = ROOT / "models" / "merged"
+TEST_SPLIT = ROOT / "data" / "prepared" / "test.jsonl"
 
 
 class Policy(LogitsProcessor):
@@ -502,3 +504,60 @@ def test_openai_agents_sdk_completes_a_task_through_the_server(server):
     assert result.final_output == "####19"
     kinds = [item.type for item in result.new_items]
     assert kinds.count("tool_call_item") == 1 and kinds.count("tool_call_output_item") == 1, kinds
+
+
+# --------------------------------------------------------------------------- the trained model
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (MERGED / "model.safetensors").exists() or not TEST_SPLIT.exists(),
+    reason="needs the pipeline's outputs (dvc repro, or make pull): models/merged and data/prepared/test.jsonl",
+)
+def test_round_trip_on_the_trained_default_model():
+    """The committed default policy through the official client, plain and streaming, on held-out problems:
+    the first reply is a calculator call, the tool message continues the turn, the last reply answers; the
+    conversation put together is the server-side loop's text, and the answers are right."""
+    from agentrl.answers import answers_match, extract_answer, normalize_number
+    from agentrl.testing import start_server
+
+    rows = [json.loads(x) for x in TEST_SPLIT.read_text().splitlines()[:5]]
+    proc, base = start_server(MERGED, free_port(), params=ROOT / "params.yaml")
+    try:
+        c = client(base)
+        right = 0
+        for row in rows:
+            for stream in (False, True):
+                msgs, text, calls = list(row["prompt"]), "", 0
+                for _ in range(9):
+                    kw = dict(model="agentrl", messages=msgs, tools=[CALC], max_tokens=128, temperature=0)
+                    if stream:
+                        content, tcs, finish = stream_message(c.chat.completions.create(stream=True, **kw))
+                        tcs = [
+                            {
+                                "id": t["id"],
+                                "type": "function",
+                                "function": {"name": t["name"], "arguments": t["arguments"]},
+                            }
+                            for t in tcs
+                        ]
+                    else:
+                        r = c.chat.completions.create(**kw)
+                        content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+                        tcs = [t.model_dump() for t in r.choices[0].message.tool_calls or []]
+                    text += content or ""
+                    if finish != "tool_calls":
+                        break
+                    msgs.append({"role": "assistant", "content": content, "tool_calls": tcs})
+                    for t in tcs:
+                        expr = json.loads(t["function"]["arguments"])["expression"]
+                        result = calculator(expr)
+                        text += f"<<{expr}={result}>>"
+                        msgs.append({"role": "tool", "tool_call_id": t["id"], "content": result})
+                        calls += 1
+                assert calls >= 1, (row["question"], text)
+                server_side = c.chat.completions.create(model="agentrl", messages=row["prompt"], max_tokens=128)
+                assert text == server_side.choices[0].message.content, (text, server_side.choices[0].message.content)
+                right += answers_match(extract_answer(text), normalize_number(str(row["ground_truth"])))
+        assert right >= 8, right  # of 10 (5 problems, plain and streaming); the model is right on ~98%
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

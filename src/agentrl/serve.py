@@ -589,8 +589,8 @@ class Engine:
             if watcher is None:
                 return await job.future
             await asyncio.wait({job.future, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if job.future.done():
-                return job.future.result()
+            if job.future.done() or watcher.exception() is not None:  # (a channel that failed: just wait)
+                return await job.future
             raise ClientGone()
         except (asyncio.CancelledError, ClientGone):
             job.cancelled = True
