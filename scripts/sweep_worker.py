@@ -228,7 +228,13 @@ def run_worker(a) -> dict:
         if c["COMPLETE"] >= target:
             break
         if c["WAITING"] or c["COMPLETE"] + c["RUNNING"] < target:
-            study.optimize(objective, n_trials=1, catch=(TrialError,))
+            try:
+                study.optimize(objective, n_trials=1, catch=(TrialError,))
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # this worker went silent for longer than --grace (not dead: stalled), so another failed its trial
+                # and queued it again; its result is not counted, the retry runs the same point
+                print(f"[{a.worker}] trial {mine[-1]} was failed as stale meanwhile; raise --grace", flush=True)
+                continue
             if study.trials[mine[-1]].state == TrialState.FAIL:
                 failed += 1
                 if failed >= a.max_failures:

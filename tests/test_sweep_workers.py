@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from agentrl.testing import tool_env
-from conftest import ROOT
+from conftest import ROOT, mini_params
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import sweep_worker  # noqa: E402
@@ -256,3 +258,224 @@ def test_worker_refuses_another_space_and_a_missing_git_remote(tmp_path):
     r = subprocess.run(worker_cmd("optuna", storage, "w1", 2), cwd=m1, env=env1, capture_output=True, text=True)
     assert r.returncode and "was started with another kind or space" in r.stderr, r.stderr[-2000:]
     assert log.read_text().count("start") == 1
+
+
+# ------------------------------------------------------------------------------------------------ slow, real
+REAL_SPACE = {
+    "objective": {"metric": "metrics/eval_grpo.json", "key": "accuracy", "direction": "maximize"},
+    "fixed": {"grpo.trainer.max_steps": 1},
+    "random": {
+        "grpo.trainer.learning_rate": {"type": "loguniform", "low": 1e-4, "high": 1e-3},
+        "grpo.trainer.beta": {"type": "uniform", "low": 0.0, "high": 0.05},
+    },
+}
+
+
+def sh(cmd: list[str], cwd: Path, timeout_s: float = 900) -> str:
+    r = subprocess.run(cmd, cwd=cwd, env=tool_env("disabled"), capture_output=True, text=True, timeout=timeout_s)
+    assert r.returncode == 0, f"{' '.join(cmd)} in {cwd}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+@pytest.fixture
+def machines(copy_repo, tmp_path):
+    """A Git remote (bare repository) and a DVC remote (a directory) holding a miniature baseline (dvc repro,
+    committed, pushed), and three clones of it, as three machines would have: clone() -> its path."""
+    import yaml
+
+    p = mini_params()
+    p["tracking"]["report_to"] = ["dvclive"]
+    (copy_repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    (copy_repo / "configs/sweeps/mini.yaml").write_text(yaml.safe_dump(REAL_SPACE))
+    sh(["git", "init", "-q"], copy_repo)
+    sh(["dvc", "remote", "add", "-d", "-f", "shared", str(tmp_path / "dvc-remote")], copy_repo)
+    sh(["git", "add", "-A"], copy_repo)
+    sh(["git", "commit", "-qm", "code"], copy_repo)
+    sh(["dvc", "repro"], copy_repo)
+    sh(["git", "add", "-A"], copy_repo)
+    sh(["git", "commit", "-qm", "baseline"], copy_repo)
+    sh(["dvc", "push"], copy_repo)
+    sh(["git", "clone", "-q", "--bare", str(copy_repo), str(tmp_path / "remote.git")], tmp_path)
+
+    def clone(name: str, pull: bool = True) -> Path:
+        sh(["git", "clone", "-q", str(tmp_path / "remote.git"), name], tmp_path)
+        if pull:
+            sh(["dvc", "pull"], tmp_path / name)  # the baseline's outputs: trials re-run only grpo and after
+        return tmp_path / name
+
+    return clone
+
+
+def start_postgres() -> tuple[str, Callable[[], None]]:
+    """A PostgreSQL server (Debian's package) on a free 127.0.0.1 port with its data in a new temporary
+    directory; (URL, stop). As root it runs as the `postgres` user (initdb refuses root)."""
+    import glob
+    import tempfile
+
+    from agentrl.testing import free_port
+
+    found = shutil.which("initdb") or next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))), None)
+    if found is None:
+        pytest.skip("no PostgreSQL server binaries (initdb): apt-get install -y postgresql (.ci/run does)")
+    bindir = Path(os.path.realpath(found)).parent
+    data = Path(tempfile.mkdtemp(prefix="agentrl-pg-", dir="/tmp"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        import pwd
+
+        user = pwd.getpwnam("postgres")
+        os.chown(data, user.pw_uid, user.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+
+    def pg(*args: str):
+        r = subprocess.run(as_user + list(args), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{' '.join(args)}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+
+    pg(str(bindir / "initdb"), "-D", str(data / "db"), "-U", "agentrl", "--auth=trust", "-E", "UTF8")
+    opts = f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={data}"
+    pg(str(bindir / "pg_ctl"), "-D", str(data / "db"), "-l", str(data / "log"), "-o", opts, "-w", "start")
+
+    def stop():
+        subprocess.run(as_user + [str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "immediate", "stop"])
+        shutil.rmtree(data, ignore_errors=True)
+
+    return f"postgresql+psycopg2://agentrl@127.0.0.1:{port}/postgres", stop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+def test_two_clones_one_study_real_dvc(backend, machines, tmp_path):
+    """Two clones run one study with real `dvc exp run` trials: 4 trials done, none lost or run twice; worker w2
+    is killed in the middle of its second trial, which w1 takes over; a third clone sees every experiment after
+    `dvc exp pull`, with the objective the study recorded."""
+    import dvc.api
+    import optuna
+
+    stop, procs, logs = None, {}, {}
+    if backend == "journal":
+        (tmp_path / "shared").mkdir()
+        storage = str(tmp_path / "shared/study.journal")  # the shared filesystem both machines mount
+    else:
+        storage, stop = start_postgres()
+    try:
+        w1, w2 = machines("w1"), machines("w2")
+        t0 = time.time()
+        for name, where in (("w2", w2), ("w1", w1)):
+            logs[name] = open(tmp_path / f"{name}.log", "w")
+            cmd = [sys.executable, "scripts/sweep_worker.py", "worker", "optuna", "--storage", storage]
+            cmd += ["--name", "mini", "--space", "configs/sweeps/mini.yaml", "--trials", "4", "--worker", name]
+            cmd += ["--heartbeat", "2", "--grace", "10", "--poll", "2", "--seed", "0"]
+            procs[name] = subprocess.Popen(
+                cmd,
+                cwd=where,
+                env=tool_env("disabled"),
+                stdout=logs[name],
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        # w2 dies (worker and dvc) a few seconds into its second trial
+        wait_for(lambda: (tmp_path / "w2.log").read_text().count("+ dvc exp run") >= 2 or None, 900, "w2's 2nd trial")
+        time.sleep(3)
+        os.killpg(procs["w2"].pid, signal.SIGKILL)
+        procs["w2"].wait()
+        assert procs["w1"].wait(timeout=1500) == 0, (tmp_path / "w1.log").read_text()[-4000:]
+        wall = time.time() - t0
+        st = status(storage, w1)
+        assert st["states"].get("COMPLETE") == 4 and st["states"].get("FAIL") == 1, st
+        # a trial pruned as surplus (both workers took the last slot at once) ran nothing; any other is an error
+        assert st["states"].get("PRUNED", 0) == len(st["surplus"]), st
+        assert set(st["states"]) <= {"COMPLETE", "FAIL", "PRUNED"}, st
+        assert st["workers"]["w2"] == {"COMPLETE": 1, "FAIL": 1}, st  # one done, one killed
+        assert st["workers"]["w1"]["COMPLETE"] == 3, st
+        (retry,) = st["retries"]
+        assert retry["state"] == "COMPLETE", st
+        values = {}
+        study = optuna.load_study(study_name="mini", storage=sweep_worker.open_storage(storage))
+        for t in study.trials:
+            if t.state.name == "COMPLETE":
+                values[t.user_attrs["experiment"]] = t.value
+        assert study.trials[retry["trial"]].params == study.trials[retry["retries"]].params
+
+        w3 = machines("w3", pull=False)
+        sh(["dvc", "exp", "pull", "origin"], w3)
+        rows = {r["Experiment"]: r for r in dvc.api.exp_show(repo=str(w3)) if r["Experiment"]}
+        assert set(rows) == set(values), (sorted(rows), values)  # every trial of both workers, nothing else
+        for exp, value in values.items():
+            row = rows[exp]
+            got = row.get("metrics/eval_grpo.json:accuracy", row.get("accuracy"))
+            assert got == value, (exp, got, value)
+        best = st["best"]["experiment"]
+        sh(["dvc", "exp", "apply", best], w3)
+        assert "up to date" in sh(["dvc", "status"], w3)  # the best trial's outputs came from the DVC remote
+        acct = {"done": 4, "failed": 1, "retried": 1, "w1": st["workers"]["w1"], "w2": st["workers"]["w2"]}
+        print(f"two clones, real dvc, {backend}: {wall:.0f} s for the search, {acct}")
+    finally:
+        for f in logs.values():
+            f.close()
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        if stop:
+            stop()
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.skip("no chromium binary: apt-get install -y chromium (.ci/run does)")
+    return found
+
+
+@pytest.mark.slow
+def test_dashboard_renders_the_study_in_chromium(tmp_path):
+    """`make sweep-dashboard` serves optuna-dashboard on the study's storage (127.0.0.1); headless Chromium loads
+    the study's trial list and renders it (the DOM names the study and its trials; a screenshot is kept in
+    $AGENTRL_ARTIFACTS, else the test's temporary directory)."""
+    import httpx
+    import optuna
+
+    from agentrl.testing import free_port
+
+    browser = chromium()
+    storage = str(tmp_path / "study.journal")
+    study = optuna.create_study(
+        study_name="dash-mini", storage=sweep_worker.open_storage(storage), direction="maximize"
+    )
+    for n, acc in enumerate((0.25, 0.5, 0.375)):
+        t = study.ask()
+        t.suggest_float("grpo.trainer.learning_rate", 1e-4, 1e-3, log=True)
+        t.set_user_attr("worker", f"w{n % 2}")
+        study.tell(t, acc)
+    port = free_port()
+    cmd = ["make", "-s", "-o", "setup", "sweep-dashboard", f"VENV={sys.prefix}", f"STORAGE={storage}"]
+    server = subprocess.Popen(cmd + [f"DASH_PORT={port}"], cwd=ROOT, env=tool_env(None), start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up():
+            try:
+                return httpx.get(f"{base}/api/studies", timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                assert server.poll() is None, "the dashboard exited"
+                return None
+
+        studies = wait_for(up, 60, "the dashboard's /api/studies")["study_summaries"]
+        (mine,) = [s for s in studies if s["study_name"] == "dash-mini"]
+        url = f"{base}/dashboard/studies/{mine['study_id']}/trials"
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        flags.append("--virtual-time-budget=20000")  # let the page fetch the study and render before the dump
+        out = Path(os.environ.get("AGENTRL_ARTIFACTS") or tmp_path)
+        out.mkdir(parents=True, exist_ok=True)
+        shot = out / "optuna-dashboard.png"
+        dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+        subprocess.run([browser, *flags, "--window-size=1400,900", f"--screenshot={shot}", url], capture_output=True,
+                       timeout=120)  # fmt: skip
+        assert "dash-mini" in dom and "3 Trials" in dom, dom[-3000:]
+        for n in range(3):
+            assert f"Trial {n}" in dom, (n, dom[-3000:])
+        assert shot.stat().st_size > 10_000, shot
+        print(f"optuna-dashboard screenshot: {shot}")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
