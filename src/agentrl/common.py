@@ -328,6 +328,9 @@ def configure_cpu_threads() -> int:
     for non-CPU configs, which halves a 2-core machine's speed for a single process."""
     if torch.cuda.is_available():
         return torch.get_num_threads()
-    n = max(1, (os.cpu_count() or 1) // world_size())
+    from .reproducibility import fixed_threads
+
+    # reproducibility.mode portable: its fixed count (the bytes depend on it), else the process's share of the cores
+    n = fixed_threads() or max(1, (os.cpu_count() or 1) // world_size())
     torch.set_num_threads(n)
     return n

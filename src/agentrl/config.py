@@ -209,6 +209,13 @@ class DistributedParams(Strict):
     reference_batch: int = Field(32, ge=1)
 
 
+class ReproducibilityParams(Strict):
+    # portable: the CPU kernels pinned (ATen AVX2, MKL COMPATIBLE, FBGEMM AVX2) for the same bytes on any x86-64
+    # CPU with AVX2 | native: the CPU's own (fastest) kernels. reproducibility.py; docs/reproducibility.md
+    mode: Literal["portable", "native"] = "portable"
+    threads: int = Field(2, ge=1, le=1024)  # portable: intra-op threads per process (the bytes depend on it)
+
+
 class AgentParams(Strict):
     tools: list[str] = Field(default_factory=lambda: ["calculator"])  # [] = no tools; names or module:function
     format: Literal["inline", "chat"] = "inline"  # inline: <<expr=  result>> ; chat: <tool_call> JSON turns
@@ -239,6 +246,7 @@ class Params(Strict):
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     distributed: DistributedParams = Field(default_factory=DistributedParams)
     agent: AgentParams = Field(default_factory=AgentParams)
+    reproducibility: ReproducibilityParams = Field(default_factory=ReproducibilityParams)
 
     @model_validator(mode="after")
     def _agent(self) -> "Params":
@@ -482,7 +490,16 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: file not found (run from the repository root)")
-    return validate_params(load_yaml(path), str(path))
+    params = validate_params(load_yaml(path), str(path))
+    from .reproducibility import apply, verify
+
+    try:  # the CPU kernels this process computes with (agentrl/__init__.py set them already from the same file)
+        apply(params.reproducibility.mode, params.reproducibility.threads)
+    except ValueError as e:
+        raise ParamsError(f"{path}: {e}") from None
+    if "torch" in sys.modules:
+        verify(params.reproducibility.mode)
+    return params
 
 
 def load_params_or_exit(path: str | Path = PARAMS_FILE) -> Params:
