@@ -31,7 +31,11 @@ def package_imports(module: str, src: Path = SRC) -> set[str]:
     import ast
 
     found = set()
-    for node in ast.walk(ast.parse((src / f"{module}.py").read_text())):
+    path = src / f"{module}.py"
+    if not path.exists():  # a subpackage (envs/): what its modules import
+        files = sorted((src / module).glob("*.py"))
+        return {m for f in files for m in package_imports(f"{module}/{f.stem}", src) if m != module}
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("agentrl."):
@@ -109,7 +113,7 @@ def test_every_stage_depends_on_all_the_code_it_runs():
     assert stages
     for name, stage in stages.items():
         module = stage["cmd"].split("-m agentrl.")[1].split()[0]
-        needed = {f"src/agentrl/{m}.py" for m in local_imports(module)}
+        needed = {f"src/agentrl/{m}" + ("" if (SRC / m).is_dir() else ".py") for m in local_imports(module)}
         declared = {d for d in stage["deps"] if d.startswith("src/")}
         missing = needed - declared
         assert not missing, f"dvc.yaml stage {name!r} runs agentrl.{module} but does not depend on {sorted(missing)}"

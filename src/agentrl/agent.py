@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .tools import Toolset, split_annotated
+from .tools import Calculator, Episode, Toolset, split_annotated
 
 PRUNE_SHARE = 0.5
 
@@ -39,6 +39,7 @@ class Rollout:
     text: str = ""
     finish_reason: str = "length"  # stop | length | tool_limit
     logprobs: Optional[list] = None  # with return_logprobs: per token, None on tool tokens
+    episode: Optional[Episode] = None  # the environment instance this completion acted in (agent.environment)
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +125,7 @@ def generate_with_tools(
     chat_template_kwargs: Optional[dict] = None,
     return_logprobs: bool = False,
     row_hook=None,
+    rows: Optional[list[dict]] = None,
     **generate_kwargs,
 ) -> list[list[Rollout]]:
     """Completions for `prompts` (chat message lists, rendered strings or token id lists): `num_samples`
@@ -132,10 +134,27 @@ def generate_with_tools(
     tool tokens included. `return_logprobs` records each sampled token's log-probability under the
     sampling distribution (None on tool tokens). `row_hook(prompt_index, sample, completion_ids)`, called
     after every sampled token of a row (streaming, stop strings), ends that row when it returns True
-    (finish_reason 'stop').
+    (finish_reason 'stop'). `rows` (one dataset row per prompt) reset each completion's own environment
+    instance (`toolset.episode(row)`): two completions never share state. An observation that `reset`
+    returns is appended to the prompt's last message, as TRL's environment_factory loop does.
     """
     tokenizer.padding_side = "left"
     kw = chat_template_kwargs or {}
+    if rows is not None and len(rows) != len(prompts):
+        raise ValueError(f"generate_with_tools: {len(rows)} rows for {len(prompts)} prompts")
+    episodes: list[list[Episode]] = [[] for _ in prompts]
+    if toolset is not None:
+        for i in range(len(prompts)):
+            for _ in range(num_samples):
+                ep = toolset.episode(rows[i] if rows is not None else None)
+                episodes[i].append(ep)
+            obs = episodes[i][0].observation
+            if obs is not None:
+                if not (isinstance(prompts[i], list) and prompts[i] and isinstance(prompts[i][-1], dict)):
+                    raise ValueError("an environment whose reset() returns an observation needs chat-message prompts")
+                last = prompts[i][-1]
+                prompts = list(prompts)
+                prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + obs}]
     ids_in = [p if isinstance(p, list) and (not p or isinstance(p[0], int)) else None for p in prompts]
     texts = [
         None
@@ -194,6 +213,7 @@ def generate_with_tools(
             Rollout(
                 prompt_ids=[t for t, m in zip(ids[r].tolist(), mask[r].tolist()) if m],
                 logprobs=[] if return_logprobs else None,
+                episode=episodes[idx[r // num_samples]][r % num_samples] if toolset is not None else None,
             )
             for r in range(ids.shape[0])
         ]
@@ -259,7 +279,7 @@ def generate_with_tools(
                     if len(roll.calls) >= toolset.max_calls:
                         roll.finish_reason = "tool_limit"
                         continue
-                    result, ok = toolset.run(call)
+                    result, ok = roll.episode.run(call)
                     roll.calls.append(
                         {"name": call.name or toolset.names[0], "arguments": call.arguments, "result": result, "ok": ok}
                     )
@@ -348,14 +368,19 @@ def tool_stats(rollouts: list[Rollout]) -> dict:
     }
 
 
-def sft_features(tokenizer, prompt, completion: str, toolset: Optional[Toolset]) -> dict:
+def sft_features(tokenizer, prompt, completion: str, toolset: Optional[Toolset], row: Optional[dict] = None) -> dict:
     """One SFT example as the tool loop would produce it: {input_ids, completion_mask}, where the prompt and
     every tool-inserted token have mask 0 (labels -100: the policy is not trained to write tool results).
-    `toolset` None (agent.tools empty) keeps the completion as plain text."""
+    `toolset` None (agent.tools empty) keeps the completion as plain text. For an environment other than the
+    calculator, the demonstration's calls are replayed in a fresh episode reset with `row`, so the results
+    the policy reads in training are exactly what the environment answers."""
     if toolset is None:
         segments, kw = [(completion, True)], {}
     else:
-        segments = split_annotated(completion, toolset.format.name, tokenizer.eos_token)
+        episode = None if toolset.env_class is Calculator else toolset.episode(row)
+        if episode is not None and episode.observation is not None:
+            prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + episode.observation}]
+        segments = split_annotated(completion, toolset.format.name, tokenizer.eos_token, episode)
         kw = toolset.chat_template_kwargs()
     t = tokenize_trace(tokenizer, prompt, segments, chat_template_kwargs=kw)
     return {

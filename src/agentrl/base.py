@@ -36,7 +36,7 @@ from .modeling import (
     load_tokenizer,
     train_tokenizer,
 )
-from .tools import split_annotated
+from .tools import Calculator, split_annotated, toolset_from_params
 
 log = get_logger("base")
 METRICS = "metrics/base.json"
@@ -129,11 +129,17 @@ def build_tiny(params: Params) -> dict:
         syn.multiplier_max,
     )
     completions = [r["completion"][0]["content"] for r in sft]
-    if params.agent.tools and params.agent.format == "chat":  # the tool-call turns are part of what it reads
-        completions = ["".join(seg for seg, _ in split_annotated(c, "chat")) for c in completions]
+    chat_tools = bool(params.agent.tools or params.agent.environment) and params.agent.format == "chat"
+    if chat_tools:  # the tool-call turns are part of what it reads
+        toolset = toolset_from_params(params.agent, env_params=params.environments)
+        env = toolset.env_class is not Calculator
+        completions = [
+            "".join(seg for seg, _ in split_annotated(c, "chat", episode=toolset.episode(r) if env else None))
+            for c, r in zip(completions, sft)
+        ]
     tok_text = questions + completions + [r["prompt"][0]["content"] for r in sft[:1]]
     tokenizer = train_tokenizer(tok_text + facts, params.model.tiny.vocab_size)
-    if params.agent.tools and params.agent.format == "chat":
+    if chat_tools:
         from trl.chat_template_utils import qwen3_chat_template
 
         # Qwen3's template renders tool calls and tool turns, and TRL's GRPOTrainer(tools=...) recognises it

@@ -69,6 +69,8 @@ _EVAL_HEADLINE = (
     "tool_use_rate",
     "tool_calls_per_problem",
     "tool_error_rate",
+    "mean_turns",  # environment episodes (agent.environment): tool calls per episode, and the feedback-use
+    "recovered_share",  # figure: share of solved episodes that recovered from a failed try
 )
 HEADLINE: dict[str, tuple[str, ...]] = {
     "prepare": ("written", "tool_solution_share"),
@@ -303,8 +305,10 @@ def checkpoint_step(checkpoint: Optional[str | Path]) -> int:
 
 
 def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
-    """The last checkpoint in output_dir if it was written by a run with the same fingerprint `key`;
-    otherwise the directory is cleared (a changed config must not resume a stale run).
+    """The last checkpoint in output_dir if it was written by a run with the same fingerprint `key` and
+    training had not finished there; otherwise the directory is cleared: a changed config must not resume a
+    stale run, and a finished checkpoint (global_step >= max_steps in its trainer_state.json) is no run to
+    resume: the Trainer would take one step past max_steps and record it. The stage then trains from the start.
 
     With several processes call it inside `args.main_process_first(local=False)`: rank 0 clears a stale
     directory and writes the new fingerprint before the other ranks look, so all ranks agree."""
@@ -314,9 +318,17 @@ def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
 
     output_dir = Path(output_dir)
     stamp = output_dir / "fingerprint.txt"
-    if output_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != key):
-        if is_main_process():
-            shutil.rmtree(output_dir)
+    stale = output_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != key)
+    last = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() and not stale else None
+    state = Path(last or output_dir) / "trainer_state.json"
+    if last and state.is_file():
+        s = json.loads(state.read_text())
+        if 0 < int(s.get("max_steps") or 0) <= int(s.get("global_step") or 0):
+            msg = "%s ends a finished run (max_steps reached): training from the start"
+            logging.getLogger("agentrl").info(msg, last)
+            stale = True
+    if stale and is_main_process():
+        shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_main_process():
         stamp.write_text(key + "\n")

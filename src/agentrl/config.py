@@ -22,6 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 PARAMS_FILE = "params.yaml"
 
 PosInt = Field(ge=1)
+# `module:function` (tools, rewards) or `module:Class` (agent.environment): checked by form, imported by the stage
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+# distributed.accelerate_config: a YAML file under configs/accelerate/ in plain path characters (it reaches the
+# stage's shell command, dvc.yaml's `accelerate launch --config_file ${distributed.accelerate_config}`)
+ACCELERATE_CONFIG = re.compile(
+    r"configs/accelerate/(?:[A-Za-z0-9_-][A-Za-z0-9_.-]*/)*[A-Za-z0-9_-][A-Za-z0-9_.-]*\.ya?ml"
+)
+MAX_WEIGHT = 1e6  # |reward weight|, step-distribution weight
 
 
 class Strict(BaseModel):
@@ -31,16 +39,16 @@ class Strict(BaseModel):
 
 # ----------------------------------------------------------------------------------------- data
 class SyntheticParams(Strict):
-    num_train: int = Field(12000, ge=1)
-    num_test: int = Field(500, ge=1)
-    operand_min: int = Field(1, ge=0)
-    operand_max: int = Field(99, ge=1)
-    max_value: int = Field(999, ge=2)
+    num_train: int = Field(12000, ge=1, le=10_000_000)
+    num_test: int = Field(500, ge=1, le=1_000_000)
+    operand_min: int = Field(1, ge=0, le=10**9)
+    operand_max: int = Field(99, ge=1, le=10**9)
+    max_value: int = Field(999, ge=2, le=10**12)
     direct_answer_rate: float = Field(0.0, ge=0, le=1)
     digit_steps_rate: float = Field(0.0, ge=0, le=1)
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
     steps: dict[int, float] = Field(default_factory=lambda: {1: 0.3, 2: 0.4, 3: 0.3})
-    multiplier_max: int = Field(9, ge=2)  # "b times as many": b in 2..multiplier_max
+    multiplier_max: int = Field(9, ge=2, le=1000)  # "b times as many": b in 2..multiplier_max
     distractor_rate: float = Field(0.4, ge=0, le=1)  # share of problems that mention another person's count
     compare_rate: float = Field(0.5, ge=0, le=1)  # ... of which ask "how many more than" that person
 
@@ -52,8 +60,8 @@ class SyntheticParams(Strict):
         for k, w in v.items():
             if not 1 <= k <= 8:
                 raise ValueError(f"number of steps must be in 1..8, got {k}")
-            if w < 0:
-                raise ValueError(f"weight for {k} steps must be >= 0, got {w}")
+            if not 0 <= w <= MAX_WEIGHT:
+                raise ValueError(f"weight for {k} steps must be in [0, {MAX_WEIGHT:g}], got {w}")
         if sum(v.values()) <= 0:
             raise ValueError("weights must sum to a positive number")
         return v
@@ -74,8 +82,8 @@ class DataParams(Strict):
     hub_dataset: str = "openai/gsm8k"
     hub_config: str = "main"
     hub_revision: Optional[str] = None
-    max_samples: Optional[int] = Field(None, ge=1)
-    eval_max_samples: Optional[int] = Field(500, ge=1)
+    max_samples: Optional[int] = Field(None, ge=1, le=100_000_000)
+    eval_max_samples: Optional[int] = Field(500, ge=1, le=10_000_000)
     # GSM8K calculator annotations <<a*b=c>>: 'auto' keeps them when agent.tools is set (they are the tool
     # calls the policy learns), strips them otherwise; true/false force it
     strip_calculator_annotations: Union[Literal["auto"], StrictBool] = "auto"
@@ -93,14 +101,14 @@ class DataParams(Strict):
 
 # ---------------------------------------------------------------------------------------- model
 class TinyModelParams(Strict):
-    vocab_size: int = Field(512, ge=300)
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(384, ge=8)
-    num_hidden_layers: int = Field(4, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    head_dim: int = Field(32, ge=4)
-    max_position_embeddings: int = Field(512, ge=32)
+    vocab_size: int = Field(512, ge=300, le=1_048_576)
+    hidden_size: int = Field(128, ge=8, le=16384)
+    intermediate_size: int = Field(384, ge=8, le=65536)
+    num_hidden_layers: int = Field(4, ge=1, le=256)
+    num_attention_heads: int = Field(4, ge=1, le=256)
+    num_key_value_heads: int = Field(2, ge=1, le=256)
+    head_dim: int = Field(32, ge=4, le=1024)
+    max_position_embeddings: int = Field(512, ge=32, le=1_048_576)
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModelParams":
@@ -111,11 +119,11 @@ class TinyModelParams(Strict):
 
 class PretrainParams(Strict):
     enabled: bool = True
-    num_arithmetic_facts: int = Field(40000, ge=0)
-    epochs: float = Field(1, gt=0)
+    num_arithmetic_facts: int = Field(40000, ge=0, le=100_000_000)
+    epochs: float = Field(1, gt=0, le=10_000)
     learning_rate: float = Field(3e-3, gt=0, le=1)
-    batch_size: int = Field(32, ge=1)
-    block_size: int = Field(128, ge=16)
+    batch_size: int = Field(32, ge=1, le=65536)
+    block_size: int = Field(128, ge=16, le=1_048_576)
 
 
 class ModelParams(Strict):
@@ -144,10 +152,10 @@ class SFTParams(Strict):
 
 
 class RewardKwargs(Strict):
-    length_max: int = Field(96, ge=1)
-    length_weight: float = Field(0.5, ge=0)
-    step_bonus: float = Field(0.1, ge=0)
-    step_cap: float = Field(0.3, ge=0)
+    length_max: int = Field(96, ge=1, le=10_000_000)
+    length_weight: float = Field(0.5, ge=0, le=MAX_WEIGHT)
+    step_bonus: float = Field(0.1, ge=0, le=MAX_WEIGHT)
+    step_cap: float = Field(0.3, ge=0, le=MAX_WEIGHT)
 
 
 class GRPOParams(Strict):
@@ -162,15 +170,20 @@ class GRPOParams(Strict):
     def _rewards(cls, v: dict[str, float]) -> dict[str, float]:
         if not v:
             raise ValueError("needs at least one reward {name: weight}")
+        for name, w in v.items():  # checked by form, never imported here (rewards.get_reward names unknown ones)
+            if not re.fullmatch(r"[A-Za-z_]\w*", name) and not IMPORT_PATH.fullmatch(name):
+                raise ValueError(f"reward '{name}' is neither a registry name nor 'module:function'")
+            if abs(w) > MAX_WEIGHT:
+                raise ValueError(f"weight of '{name}' must be in [-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}], got {w!r}")
         return v
 
 
 class EvalParams(Strict):
-    batch_size: int = Field(128, ge=1)
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0)
+    batch_size: int = Field(128, ge=1, le=65536)
+    max_new_tokens: int = Field(128, ge=1, le=1_048_576)
+    temperature: float = Field(0.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
-    samples_per_problem: int = Field(1, ge=1)
+    samples_per_problem: int = Field(1, ge=1, le=1024)
 
     @model_validator(mode="after")
     def _sampling(self) -> "EvalParams":
@@ -181,17 +194,17 @@ class EvalParams(Strict):
 
 class ExportParams(Strict):
     quantize: Literal["none", "int8"] = "int8"  # bitsandbytes on CUDA, torch dynamic int8 on CPU (quantize.py)
-    max_abs_logit_diff: float = Field(1e-4, gt=0)
-    num_verify_prompts: int = Field(8, ge=1)
+    max_abs_logit_diff: float = Field(1e-4, gt=0, le=1e6)
+    num_verify_prompts: int = Field(8, ge=1, le=100_000)
 
 
 class ServeParams(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     model_path: str = "models/merged"
-    max_tokens_limit: int = Field(512, ge=1)
-    max_batch_size: int = Field(8, ge=1)
-    batch_wait_ms: float = Field(5, ge=0)
+    max_tokens_limit: int = Field(512, ge=1, le=1_048_576)
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    batch_wait_ms: float = Field(5, ge=0, le=60_000)
 
 
 class TrackingParams(Strict):
@@ -204,9 +217,19 @@ class TrackingParams(Strict):
 
 class DistributedParams(Strict):
     accelerate_config: str = "configs/accelerate/single.yaml"
-    num_processes: int = Field(1, ge=1)
+    num_processes: int = Field(1, ge=1, le=4096)
     scale_lr: Literal["none", "sqrt", "linear"] = "none"
-    reference_batch: int = Field(32, ge=1)
+    reference_batch: int = Field(32, ge=1, le=10_000_000)
+
+    @field_validator("accelerate_config")
+    @classmethod
+    def _accelerate_config(cls, v: str) -> str:
+        if not ACCELERATE_CONFIG.fullmatch(v) or "/." in v:
+            raise ValueError(
+                "must be a .yaml file under configs/accelerate/ (letters, digits, '_', '-', '.'; no '..'), "
+                f"got {v[:200]!r}"
+            )
+        return v
 
 
 class ReproducibilityParams(Strict):
@@ -219,16 +242,35 @@ class ReproducibilityParams(Strict):
 class AgentParams(Strict):
     tools: list[str] = Field(default_factory=lambda: ["calculator"])  # [] = no tools; names or module:function
     format: Literal["inline", "chat"] = "inline"  # inline: <<expr=  result>> ; chat: <tool_call> JSON turns
-    max_tool_calls: int = Field(8, ge=1)  # per completion; a completion that asks for more is ended
+    max_tool_calls: int = Field(8, ge=1, le=1000)  # per completion; a completion that asks for more is ended
     max_expression_chars: int = Field(200, ge=1, le=10000)
+    # an environment (TRL environment_factory shape) instead of agent.tools: calculator | countdown | gridworld
+    # | module:Class; null = the tools in agent.tools (plain functions, one stateless environment)
+    environment: Optional[str] = None
+    tool_timeout_s: float = Field(10.0, gt=0, le=600)  # a tool call that takes longer is an error result
+
+    @field_validator("environment")
+    @classmethod
+    def _environment(cls, v: Optional[str]) -> Optional[str]:
+        from .tools import ENVIRONMENTS
+
+        if v is None or v in ENVIRONMENTS:
+            return v
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):  # checked by form here, imported by the stage
+            raise ValueError(
+                f"unknown environment '{v}'; known: {', '.join(sorted(ENVIRONMENTS))} (or a custom one as 'module:Class')"
+            )
+        return v
 
     @field_validator("tools")
     @classmethod
     def _tools(cls, v: list[str]) -> list[str]:
-        from .tools import get_tool
+        from .tools import REGISTRY
 
-        for name in v:
-            get_tool(name)  # unknown names fail here, with the list of known ones
+        for name in v:  # checked by form, never imported here (validation runs no module's code); the stage imports
+            if name not in REGISTRY and not IMPORT_PATH.fullmatch(name):
+                known = ", ".join(sorted(REGISTRY))
+                raise ValueError(f"unknown tool '{name}'; known: {known} (or a custom one as 'module:function')")
         if len(set(v)) != len(v):
             raise ValueError("a tool is listed twice")
         return v
@@ -247,9 +289,42 @@ class Params(Strict):
     distributed: DistributedParams = Field(default_factory=DistributedParams)
     agent: AgentParams = Field(default_factory=AgentParams)
     reproducibility: ReproducibilityParams = Field(default_factory=ReproducibilityParams)
+    # knobs of the built-in environments: environments.<name>.<knob> (generation: num_train, num_test and the
+    # module's GEN_DEFAULTS; runtime: its ENV_DEFAULTS); agent.environment picks which one runs
+    environments: dict[str, dict[str, Any]]  # no default: params.yaml is its one source
+
+    @field_validator("environments")
+    @classmethod
+    def _environments(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        from .tools import TASKS
+
+        for name, knobs in v.items():
+            if name not in TASKS:
+                raise ValueError(f"unknown environment '{name}'; built-ins with knobs: {', '.join(sorted(TASKS))}")
+            defaults = {"num_train": 1, "num_test": 1, **TASKS[name].GEN_DEFAULTS, **TASKS[name].ENV_DEFAULTS}
+            missing = sorted({"num_train", "num_test"} - set(knobs or {}))
+            if missing:
+                raise ValueError(f"{name}: missing {', '.join(missing)} (how many train / held-out instances)")
+            for k, val in (knobs or {}).items():
+                if k not in defaults:
+                    raise ValueError(f"{name}.{k}: unknown knob; known: {', '.join(sorted(defaults))}")
+                want = type(defaults[k])
+                ok = isinstance(val, bool) if want is bool else isinstance(val, (int, float)) and not isinstance(
+                    val, bool
+                ) if want in (int, float) else isinstance(val, want)
+                if not ok or (want is int and not isinstance(val, int)):
+                    raise ValueError(f"{name}.{k}: expected {want.__name__}, got {val!r}")
+                if k in ("num_train", "num_test") and not 1 <= val <= 1_000_000:
+                    raise ValueError(f"{name}.{k}: must be in 1..1000000, got {val}")
+        return v
 
     @model_validator(mode="after")
     def _agent(self) -> "Params":
+        if self.agent.environment and self.agent.tools:
+            raise ValueError(
+                "agent.environment and agent.tools are both set: an environment brings its own tools "
+                "(set agent.tools: [] with agent.environment)"
+            )
         if self.agent.format == "inline" and len(self.agent.tools) > 1:
             raise ValueError("agent.format 'inline' (<<expr=) drives one tool; list one in agent.tools or use 'chat'")
         return self
@@ -288,6 +363,36 @@ _TRAINER_DERIVED = {
     "model_init_kwargs": (
         "set by the stage, which loads the model, from 'model.precision' and 'model.attn_implementation'"
     ),
+}
+# Upper bounds (absolute value) on the pass-through arguments that size a run: steps, batches, lengths, rates.
+# TRL/PEFT accept any number; 1e15 steps or a learning rate of 1e308 is a typo or an attack, not a run.
+PASSTHROUGH_BOUNDS = {
+    "max_steps": 10_000_000,
+    "num_train_epochs": 10_000,
+    "warmup_steps": 10_000_000,
+    "logging_steps": 10_000_000,
+    "save_steps": 10_000_000,
+    "eval_steps": 10_000_000,
+    "save_total_limit": 10_000,
+    "per_device_train_batch_size": 65_536,
+    "per_device_eval_batch_size": 65_536,
+    "gradient_accumulation_steps": 65_536,
+    "steps_per_generation": 65_536,
+    "generation_batch_size": 1_048_576,
+    "num_generations": 4096,
+    "num_iterations": 10_000,
+    "max_length": 1_048_576,
+    "max_prompt_length": 1_048_576,
+    "max_completion_length": 1_048_576,
+    "dataloader_num_workers": 256,
+    "learning_rate": 10.0,
+    "weight_decay": 1000.0,
+    "max_grad_norm": 1e6,
+    "temperature": 100.0,
+    "top_k": 1_000_000,
+    "beta": 1e6,
+    "r": 65_536,
+    "lora_alpha": 1e6,
 }
 DERIVED = {
     "sft.trainer": _TRAINER_DERIVED,
@@ -380,6 +485,13 @@ def passthrough_errors(raw: dict) -> list[str]:
                 errors += nf
             elif (msg := _type_error(cls, key, value)) is not None:
                 errors.append(f"{where}: {msg}")
+            elif (
+                key in PASSTHROUGH_BOUNDS
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and abs(value) > PASSTHROUGH_BOUNDS[key]
+            ):
+                errors.append(f"{where}: must be at most {PASSTHROUGH_BOUNDS[key]:,} in size (got {value!r})")
         for key in ("learning_rate", "r"):  # zero trains nothing (lr) or fails deep inside PEFT (r); TRL/PEFT accept it
             v = values.get(key)
             if len(errors) == before and isinstance(v, (int, float)) and v <= 0:

@@ -25,7 +25,7 @@ from .common import get_logger, peak_rss_mb, torch_dtype, write_metrics
 from .config import Params, load_params_or_exit
 from .data import load_jsonl, write_jsonl
 from .rewards import build_rewards
-from .tools import toolset_from_params
+from .tools import episode_solved, toolset_from_params
 
 TEST = "data/prepared/test.jsonl"
 log = get_logger("eval")
@@ -80,7 +80,10 @@ def score(
 ) -> tuple[dict, list[dict]]:
     """Metrics + per-sample predictions from test rows and their generated samples (pure; unit-tested).
     With `rollouts` (the tool loop's output for the same samples) predictions record each tool call and
-    the metrics add tool_use_rate, tool_calls_per_problem and tool_error_rate (first sample per problem)."""
+    the metrics add tool_use_rate, tool_calls_per_problem and tool_error_rate (first sample per problem).
+    Rollouts that acted in an environment with its own success rule (tools.episode_solved: countdown,
+    gridworld, a custom get_reward) are judged by it; the metrics then add turns, failed tries and
+    `recovered_share` (solved episodes that recovered from a failed try: the feedback-use figure)."""
     funcs, weights = build_rewards(rewards, reward_kwargs)
     preds, correct_first, fmt, tokens, rew, answer_only = [], 0, 0, [], [], 0
     pass_k, majority = 0, 0
@@ -88,12 +91,18 @@ def score(
     for row, outs in zip(rows, samples):
         truth = normalize_number(row["ground_truth"])
         comps = [t for t, _ in outs]
+        judged = (
+            [episode_solved(row, c, r.episode.env if r.episode else None) for c, r in zip(comps, rollouts[len(preds)])]
+            if rollouts is not None
+            else [None] * len(comps)
+        )
+        extra = {"solved": judged} if any(j is not None for j in judged) else {}
         r_total = [0.0] * len(comps)
         for f, w in zip(funcs, weights):
-            for i, v in enumerate(f(comps, ground_truth=[truth] * len(comps))):
+            for i, v in enumerate(f(comps, ground_truth=[truth] * len(comps), **extra)):
                 r_total[i] += w * v
-        extracted = [extract_answer(c) for c in comps]
-        ok = [answers_match(e, truth) for e in extracted]
+        extracted = [extract_answer(c) if j is None else final_line(c) for c, j in zip(comps, judged)]
+        ok = [answers_match(e, truth) if j is None else j for e, j in zip(extracted, judged)]
         correct_first += ok[0]
         answer_only += comps[0].lstrip().startswith("####")  # no worked step before the answer line
         fmt += sum(e is not None for e in extracted)
@@ -118,10 +127,15 @@ def score(
             }
         )
         if rollouts is not None:
+            first = rollouts[len(preds) - 1][0]
             preds[-1]["tool_calls"] = [
                 {"expression": c["arguments"].get("expression"), "result": c["result"], "ok": c["ok"]}
-                for c in rollouts[len(preds) - 1][0].calls
+                if list(c["arguments"]) == ["expression"]
+                else {"name": c["name"], "arguments": c["arguments"], "result": c["result"], "ok": c["ok"]}
+                for c in first.calls
             ]
+            if judged[0] is not None:
+                preds[-1]["failed_tries"] = getattr(first.episode.env, "failed_tries", None)
     n = len(rows)
     k = len(samples[0]) if samples else 1
     lo, hi = wilson_interval(correct_first, n)
@@ -139,10 +153,23 @@ def score(
         metrics.update({k: round(v, 4) for k, v in tool_stats([r[0] for r in rollouts]).items()})
         metrics["accuracy_with_tool"] = _rate([p["correct"] for p in preds if p["tool_calls"]])
         metrics["accuracy_without_tool"] = _rate([p["correct"] for p in preds if not p["tool_calls"]])
+        if any("failed_tries" in p for p in preds):  # an environment episode per problem
+            solved = [p for p in preds if p["correct"]]
+            metrics["mean_turns"] = round(sum(len(p["tool_calls"]) for p in preds) / n, 4)
+            metrics["failed_tries_per_episode"] = round(sum(p.get("failed_tries") or 0 for p in preds) / n, 4)
+            metrics["recovered_share"] = _rate([bool(p.get("failed_tries")) for p in solved])
     if k > 1:
         metrics[f"pass@{k}"] = pass_k / n
         metrics["majority_vote_accuracy"] = majority / n
     return metrics, preds
+
+
+def final_line(text: str) -> Optional[str]:
+    """The first line after the last `####` (an environment task's final answer, e.g. an expression), or None."""
+    if "####" not in text:
+        return None
+    lines = text.rsplit("####", 1)[1].strip().splitlines()
+    return lines[0].strip() if lines else ""
 
 
 def _rate(flags: list[bool]) -> Optional[float]:
@@ -189,7 +216,7 @@ def evaluate(
         e.max_new_tokens,
         next(model.parameters()).device,
     )
-    toolset = toolset_from_params(params.agent, tokenizer.eos_token)
+    toolset = toolset_from_params(params.agent, tokenizer.eos_token, params.environments)
     t0 = time.time()
     rollouts = generate_with_tools(
         model,
@@ -204,6 +231,7 @@ def evaluate(
         seed=params.seed,
         desc=f"eval {name}",
         chat_template_kwargs=toolset.chat_template_kwargs() if toolset else None,
+        rows=rows,
     )
     elapsed = time.time() - t0
     samples = [[(r.text, r.num_tokens) for r in rs] for rs in rollouts]
@@ -214,7 +242,7 @@ def evaluate(
         params.grpo.reward_kwargs.model_dump(),
         rollouts if toolset is not None else None,
     )
-    metrics["tools"] = ",".join(params.agent.tools) or "none"
+    metrics["tools"] = params.agent.environment or ",".join(params.agent.tools) or "none"
     metrics.update(
         {
             "samples_per_second": round(len(rows) / elapsed, 3),

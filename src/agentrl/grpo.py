@@ -14,7 +14,9 @@ output and tracking. Rewards come from the registry in rewards.py with the weigh
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Optional
 
 from .common import (
     checkpoint_step,
@@ -37,7 +39,7 @@ from .common import (
 from .config import Params, ParamsError, build_passthrough, load_params_or_exit, passthrough_value
 from .modeling import STAGE_DIRS, attach, load_model, load_tokenizer, lora_config, save_stage_result
 from .rewards import build_rewards
-from .tools import toolset_from_params
+from .tools import episode_solved, toolset_from_params
 
 DATA = "data/prepared/rl_train.jsonl"
 CHECKPOINTS = "checkpoints/grpo"
@@ -136,8 +138,11 @@ class ToolRollout:
     keeps them out of the loss) and the tool calls/errors, which reach reward functions as keyword arguments
     `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py)."""
 
-    def __init__(self, toolset):
+    def __init__(self, toolset, rows: Optional[list[dict]] = None):
         self.toolset = toolset
+        # TRL hands a rollout_func the prompts only: each prompt's dataset row (what its environment episode is
+        # reset with) is looked up by the prompt itself
+        self.rows = {prompt_key(r["prompt"]): r for r in rows or []}
         self.seconds = 0.0
         self.completions = 0
         self.tokens = 0
@@ -176,6 +181,7 @@ class ToolRollout:
                     temperature=trainer.temperature,
                     top_p=trainer.top_p,
                     top_k=trainer.top_k or 0,
+                    rows=[self.rows.get(prompt_key(p), {}) for p in prompts] if self.rows else None,
                     **extra,
                 )
             ]
@@ -186,7 +192,14 @@ class ToolRollout:
             mode = "train" if trainer.model.training else "eval"
             for k, v in tool_stats(rolls).items():
                 trainer._metrics[mode][f"tools/{k}"].append(v)
+        out = {}
+        if self.rows and self.toolset is not None:  # an environment with its own success rule decides `accuracy`
+            rows = [self.rows.get(prompt_key(p), {}) for p in prompts]
+            solved = [episode_solved(row, r.text, r.episode.env if r.episode else None) for row, r in zip(rows, rolls)]
+            if any(s is not None for s in solved):
+                out["solved"] = solved
         return {
+            **out,
             "prompt_ids": [r.prompt_ids for r in rolls],
             "completion_ids": [r.completion_ids for r in rolls],
             "logprobs": None,
@@ -196,13 +209,19 @@ class ToolRollout:
         }
 
 
-def rollout_plan(params: Params, args, tok):
-    """(rollout_func, tools) for GRPOTrainer. Inline tools and plain sampling run through ToolRollout (the
-    project's tool loop); agent.format chat hands the tool functions to TRL's own multi-turn loop
-    (GRPOTrainer(tools=...)); TRL's vLLM generation is used when grpo asks for it and no inline tool is set."""
-    toolset = toolset_from_params(params.agent, tok.eos_token)
+def prompt_key(prompt) -> str:
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
+    """(rollout_func, environment_factory) for GRPOTrainer. Inline tools and plain sampling run through
+    ToolRollout (the project's tool loop, one environment episode per completion, reset with its row);
+    agent.format chat hands the environment class to TRL's own multi-turn loop
+    (GRPOTrainer(environment_factory=...), one instance per rollout); TRL's vLLM generation is used when grpo
+    asks for it and no inline tool is set."""
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
     if toolset is not None and params.agent.format == "chat":
-        return None, list(toolset.tools.values())
+        return None, toolset.factory
     if getattr(args, "use_vllm", False):
         if toolset is not None:
             raise BatchConfigError(
@@ -210,7 +229,7 @@ def rollout_plan(params: Params, args, tok):
                 "TRL's use_vllm needs agent.tools: [] or agent.format: chat"
             )
         return None, None
-    return ToolRollout(toolset), None
+    return ToolRollout(toolset, rows), None
 
 
 def baked_tool_template(tok):
@@ -294,6 +313,7 @@ def train(params: Params) -> dict:
         params.seed,
         g.model_dump(),
         params.agent.model_dump(),
+        params.environments,
         file_digest(DATA),
         *(file_digest(p) for p in code_files()),
         model_files_digest(STAGE_DIRS["base"]),
@@ -304,8 +324,8 @@ def train(params: Params) -> dict:
         resume = resumable_checkpoint(CHECKPOINTS, key)
     if resume:
         log.info("resuming from %s", resume)
-    rollout, tools = rollout_plan(params, args, tok)
-    finish = baked_tool_template(tok) if tools else None
+    rollout, environment_factory = rollout_plan(params, args, tok, list(ds))
+    finish = baked_tool_template(tok) if environment_factory else None
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=funcs,
@@ -315,7 +335,7 @@ def train(params: Params) -> dict:
         peft_config=peft_config(params),
         callbacks=callbacks,
         rollout_func=rollout,
-        tools=tools,
+        environment_factory=environment_factory,
     )
     if finish:
         finish(trainer)

@@ -31,16 +31,38 @@ def count_steps(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------------ rewards
-def accuracy(completions, ground_truth, **kwargs) -> list[float]:
-    """1.0 when the extracted answer equals the ground truth numerically, else 0.0."""
+def accuracy(completions, ground_truth, solved=None, **kwargs) -> list[float]:
+    """1.0 when the extracted answer equals the ground truth numerically, else 0.0. In an environment with its
+    own success rule (countdown, gridworld, a custom get_reward), `solved` (one flag per completion, from the
+    tool loop: tools.episode_solved) decides instead; a None flag falls back to the answer."""
+    flags = solved if solved is not None else env_solved(completions, ground_truth=ground_truth, **kwargs)
     return [
-        float(answers_match(extract_answer(_text(c)), normalize_number(g))) for c, g in zip(completions, ground_truth)
+        float(answers_match(extract_answer(_text(c)), normalize_number(g)) if s is None else bool(s))
+        for c, g, s in zip(completions, ground_truth, flags)
     ]
 
 
-def format(completions, **kwargs) -> list[float]:  # registry name
-    """1.0 when the completion has a parseable answer line, else 0.0."""
-    return [float(extract_answer(_text(c)) is not None) for c in completions]
+def format(completions, solved=None, **kwargs) -> list[float]:  # registry name
+    """1.0 when the completion has a parseable answer line, else 0.0 (in an environment with its own success
+    rule: a `####` line, whatever it holds)."""
+    flags = solved if solved is not None else env_solved(completions, **kwargs)
+    return [
+        float(extract_answer(_text(c)) is not None if s is None else "####" in _text(c))
+        for c, s in zip(completions, flags)
+    ]
+
+
+def env_solved(completions, environments=None, **columns) -> list:
+    """Per completion: solved by its environment's own rule (tools.episode_solved), for TRL's
+    GRPOTrainer(environment_factory=...) loop, which passes the rollouts' `environments` and the dataset
+    columns (the row reset() saw) to reward functions. None flags where there is no such rule."""
+    if environments is None:
+        return [None] * len(completions)
+    from .tools import episode_solved
+
+    n = len(completions)
+    rows = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n} for i in range(n)]
+    return [episode_solved(r, _text(c), e) for c, r, e in zip(completions, rows, environments)]
 
 
 def length_penalty(completions, length_max: int = 96, length_weight: float = 0.5, **kwargs) -> list[float]:

@@ -68,11 +68,40 @@ def dataset(tok, params: Params):
     results (`24>>` after `<<48/2=`) are in the input but masked out of the loss (agent.py: sft_features)."""
     from datasets import Dataset
 
-    toolset = toolset_from_params(params.agent, tok.eos_token)
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
     rows = load_jsonl(DATA)
     if not rows:
         raise ValueError(f"{DATA}: no training examples")
-    return Dataset.from_list([sft_features(tok, r["prompt"], r["completion"][0]["content"], toolset) for r in rows])
+    feats = [sft_features(tok, r["prompt"], r["completion"][0]["content"], toolset, r) for r in rows]
+    check_lengths(feats, params)
+    return Dataset.from_list(feats)
+
+
+def check_lengths(feats: list[dict], params: Params) -> None:
+    """Stop before training when sft.trainer.max_length would leave no trainable example: TRL truncates each
+    example to max_length and drops those whose completion is then fully masked, and an empty dataset fails
+    deep inside the sampler (`num_samples=0`). Names the key, the lengths needed and the cause."""
+    max_length = params.sft.trainer.get("max_length")
+    if not max_length:
+        return
+    prompt_lens = [m.index(1) if 1 in m else len(m) for m in (f["completion_mask"] for f in feats)]
+    trainable = sum(p < max_length for p in prompt_lens)
+    if trainable == 0:
+        lens = sorted(len(f["input_ids"]) for f in feats)
+        raise ValueError(
+            f"sft.trainer.max_length={max_length} leaves no trainable example: every prompt is at least "
+            f"{min(prompt_lens)} tokens before the first completion token (whole examples: median "
+            f"{lens[len(lens) // 2]}, max {lens[-1]} tokens"
+            + (", the chat format's tool descriptions included" if params.agent.format == "chat" else "")
+            + f"). Raise sft.trainer.max_length to at least {lens[len(lens) // 2]} or shorten the prompts"
+        )
+    if trainable < len(feats):
+        log.warning(
+            "sft.trainer.max_length=%d: %d of %d examples have no completion token within it and are dropped",
+            max_length,
+            len(feats) - trainable,
+            len(feats),
+        )
 
 
 def train(params: Params) -> dict:

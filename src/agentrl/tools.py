@@ -15,13 +15,19 @@ Formats (`agent.format`):
 from __future__ import annotations
 
 import ast
+import concurrent.futures
+import functools
 import importlib
+import inspect
 import json
 import math
 import operator
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from .envs import countdown, gridworld
+
 
 MAX_EXPRESSION_CHARS = 200
 MAX_MAGNITUDE = 1e15  # any operand or intermediate value beyond this is an error, not a huge number
@@ -150,7 +156,7 @@ class InlineFormat:
         return f"{result}>>"
 
     def render_call(self, call: Call) -> str:
-        return f"<<{call.arguments['expression']}="
+        return f"<<{next(iter(call.arguments.values()))}="
 
 
 class ChatFormat:
@@ -186,77 +192,283 @@ class ChatFormat:
         )
 
     def render_call(self, call: Call) -> str:
-        body = json.dumps({"name": call.name or "calculator", "arguments": call.arguments})
+        body = json.dumps({"name": call.name or "calculator", "arguments": call.arguments})  # as Qwen3 renders it
         return f"<tool_call>\n{body}\n</tool_call>"
 
 
+class Calculator:
+    """The calculator as an environment in TRL's `environment_factory` shape: stateless, one tool. It is what
+    `agent.tools: [calculator]` runs (the embedded default)."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: numbers with + - * / and parentheses, e.g. "48/2" or "(3+4)*12".
+
+        Returns:
+            The value, e.g. "24".
+        """
+        return calculator(expression)
+
+
+ENVIRONMENTS: dict[str, type] = {"calculator": Calculator, "countdown": countdown.Countdown, "gridworld": gridworld.GridWorld}
+TASKS = {"countdown": countdown, "gridworld": gridworld}  # built-in environments that generate their own data (prepare)
+
+
+def environment_tools(env) -> dict[str, Callable[..., str]]:
+    """An environment's tools exactly as TRL's GRPOTrainer(environment_factory=...) finds them: the public
+    functions of its class other than `reset` and `get_reward`, bound to the instance."""
+    return {
+        name: getattr(env, name)
+        for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    }
+
+
+def functions_environment(names: list[str]) -> type:
+    """`agent.tools` (plain functions) as one stateless environment class: the calculator's is `Calculator`;
+    custom functions become static methods of a generated class (TRL's loop sees the same tools)."""
+    if list(names) == ["calculator"]:
+        return Calculator
+    tools = {n.rpartition(":")[2]: get_tool(n) for n in names}
+    return type("Tools", (), {"reset": lambda self, **row: None, **{k: staticmethod(f) for k, f in tools.items()}})
+
+
+def get_environment(name: str) -> type:
+    """An environment class by registry name or `module:Class` import path (agent.environment)."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"agent.environment: cannot import '{name}': {e}") from None
+        if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
+            raise ValueError(f"agent.environment: '{name}' is not a class with a reset(**row) method")
+        return cls
+    raise ValueError(
+        f"agent.environment: unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} "
+        "(or a custom one as 'module:Class')"
+    )
+
+
+def task_of(env) -> Optional[str]:
+    """The built-in task (TASKS key) an environment instance belongs to, or None."""
+    return next((name for name in TASKS if isinstance(env, ENVIRONMENTS[name])), None)
+
+
+def episode_solved(row: dict, text: str, env) -> Optional[bool]:
+    """Whether an episode was solved, by its environment's own rule: a built-in task's `correct(row, text,
+    env)`; a custom environment's `get_reward() >= 1`; None when the environment has neither (the final
+    answer is then matched against the row's ground truth, as for the calculator)."""
+    if env is None:
+        return None
+    task = task_of(env)
+    if task is not None:
+        return bool(TASKS[task].correct(row, text, env))
+    if isinstance(env, Calculator) or not callable(getattr(env, "get_reward", None)):
+        return None
+    try:
+        return float(env.get_reward()) >= 1.0
+    except Exception:  # noqa: BLE001 - a broken reward is an unsolved episode, never a crash
+        return False
+
+
+def _first_param(fn) -> Optional[str]:
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        return None
+    return params[0].name if params else None
+
+
+_POOL: list = []  # the thread that runs tool calls (replaced when a call hangs)
+
+
+def _run_with_timeout(fn, kwargs: dict, timeout_s: Optional[float]):
+    """fn(**kwargs), or TimeoutError after timeout_s. A hung call is abandoned on its thread (Python cannot
+    kill it) and a fresh thread serves the next calls."""
+    if not timeout_s:
+        return fn(**kwargs)
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-tool"))
+    future = _POOL[0].submit(fn, **kwargs)
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        _POOL.pop().shutdown(wait=False)
+        raise TimeoutError(f"no answer within {timeout_s:g} s") from None
+
+
+class Episode:
+    """One environment instance for one completion: reset with the completion's row, then its tools run the
+    calls the policy makes. Nothing here raises into the loop: an environment that raises, hangs or answers
+    junk gives an `error: ...` result (counted as a failed call)."""
+
+    def __init__(self, toolset: "Toolset", row: Optional[dict] = None):
+        self.toolset = toolset
+        self.observation: Optional[str] = None
+        self.broken: Optional[str] = None
+        try:
+            self.env = toolset.factory()
+            obs = self.env.reset(**(row or {}))
+            self.observation = None if obs is None else str(obs)
+        except Exception as e:  # noqa: BLE001 - an environment's failure is data, never a crash
+            self.env, self.broken = None, f"environment reset failed: {type(e).__name__}: {str(e)[:80]}"
+        self.tools = environment_tools(self.env) if self.env is not None else {}
+
+    def run(self, call: "Call") -> tuple[str, bool]:
+        ts = self.toolset
+        if self.broken:
+            return f"error: {self.broken}", False
+        if call.name == "<invalid>":
+            return f"error: {str(call.arguments.get('error', 'invalid call'))[:120]}", False
+        name = call.name or ts.default_tool
+        fn = self.tools.get(name)
+        if fn is None:
+            return f"error: unknown tool '{name[:40]}'; available: {', '.join(self.tools)}", False
+        args = dict(call.arguments)
+        if not call.name and "expression" in args:  # inline: the one string argument of the default tool
+            param = _first_param(fn) or "expression"
+            args = {param: args.pop("expression")}
+        for v in args.values():
+            if isinstance(v, str) and len(v) > ts.max_expression_chars:
+                return f"error: argument longer than {ts.max_expression_chars} characters", False
+        try:
+            out = _run_with_timeout(fn, args, ts.timeout_s)
+        except TimeoutError as e:
+            self.broken = f"tool '{name}' timed out ({e}); the episode's environment is abandoned"
+            return f"error: {self.broken}", False
+        except Exception as e:  # noqa: BLE001 - a tool's failure is data for the policy, not a crash
+            msg = str(e) if isinstance(e, ToolError) else f"{type(e).__name__}: {e}"
+            return f"error: {msg[:120]}", False
+        text = out if isinstance(out, str) else json.dumps(out, default=str)[: ts.max_result_chars]
+        text = text[: ts.max_result_chars]
+        if ts.format.name == "inline":  # the result must not close or open a call itself
+            text = text.replace("<<", "< <").replace(">>", "> >")
+        return text, not text.startswith("error")
+
+
 class Toolset:
-    """The tools of one run and their format: runs a `Call`, returns (result text, ok)."""
+    """The environment of one run and its call format: `episode(row)` starts one episode (one environment
+    instance, reset with the row) whose `run(call)` returns (result text, ok).
+
+    `names` (agent.tools) are plain functions wrapped as one stateless environment; `environment`
+    (agent.environment) names an environment class instead; `env_kwargs` are its constructor's knobs."""
 
     def __init__(
         self,
-        names: list[str],
+        names: Optional[list[str]] = None,
         fmt: str = "inline",
         max_calls: int = 8,
         max_expression_chars: int = MAX_EXPRESSION_CHARS,
         eos_token: str = "<|im_end|>",
+        environment: Optional[str] = None,
+        env_kwargs: Optional[dict] = None,
+        timeout_s: Optional[float] = 10.0,
+        max_result_chars: int = 200,
     ):
-        if not names:
+        if environment and names:
+            raise ValueError("agent.environment and agent.tools are both set: an environment brings its own tools")
+        if not environment and not names:
             raise ValueError("agent.tools is empty: there is no tool to call")
-        self.names = list(names)
-        self.tools = {n.rpartition(":")[2]: get_tool(n) for n in names}
+        self.environment = environment or None
+        self.env_class = get_environment(environment) if environment else functions_environment(list(names))
+        self.env_kwargs = dict(env_kwargs or {})
+        self.factory = functools.partial(self.env_class, **self.env_kwargs)
+        probe = self.factory()
+        self.tools = environment_tools(probe)
+        if not self.tools:
+            raise ValueError(f"agent.environment: {self.env_class.__name__} has no public tool methods")
+        self.names = list(names) if names else list(self.tools)
+        self.default_tool = next(iter(self.tools)) if not names else names[0].rpartition(":")[2]
         self.format = InlineFormat() if fmt == "inline" else ChatFormat(eos_token)
+        if fmt == "inline" and len(self.tools) > 1:
+            raise ValueError(
+                f"agent.format 'inline' (<<arg=) drives one tool; {self.env_class.__name__} has "
+                f"{', '.join(self.tools)}: use agent.format 'chat'"
+            )
         self.max_calls = max_calls
         self.max_expression_chars = max_expression_chars
+        self.timeout_s = timeout_s
+        self.max_result_chars = max_result_chars
+        self._stateless = Episode(self)  # for callers without rows (the server, `run`)
+
+    def episode(self, row: Optional[dict] = None) -> Episode:
+        return Episode(self, row)
 
     def chat_template_kwargs(self) -> dict:
         """Arguments for `apply_chat_template`: the chat format describes the tools in the prompt (as TRL's
-        GRPOTrainer(tools=...) renders it); the inline format needs nothing."""
+        GRPOTrainer(environment_factory=...) renders them); the inline format needs nothing."""
         return {"tools": list(self.tools.values())} if self.format.name == "chat" else {}
 
     def run(self, call: Call) -> tuple[str, bool]:
-        if "error" in call.arguments and call.name == "<invalid>":
-            return f"error: {call.arguments['error'][:120]}", False
-        fn = self.tools.get(call.name) if call.name else next(iter(self.tools.values()))
-        if fn is None:
-            return f"error: unknown tool '{call.name[:40]}'; available: {', '.join(self.tools)}", False
-        expr = call.arguments.get("expression")
-        if isinstance(expr, str) and len(expr) > self.max_expression_chars:
-            return f"error: expression longer than {self.max_expression_chars} characters", False
-        return call_tool(fn, **call.arguments)
+        """A call in a row-less episode shared by all callers (stateless tools: the calculator)."""
+        return self._stateless.run(call)
 
 
-def toolset_from_params(agent, eos_token: str = "<|im_end|>") -> Optional[Toolset]:
-    """The Toolset that `agent.*` params describe, or None when agent.tools is empty."""
-    if not agent.tools:
+def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Optional[dict] = None) -> Optional[Toolset]:
+    """The Toolset that `agent.*` params describe, or None when there is no tool and no environment.
+    `env_params` (params.environments) gives a built-in environment its runtime knobs."""
+    environment = getattr(agent, "environment", None)
+    if not agent.tools and not environment:
         return None
-    return Toolset(list(agent.tools), agent.format, agent.max_tool_calls, agent.max_expression_chars, eos_token)
+    env_kwargs = {}
+    if environment in TASKS:
+        knobs = (env_params or {}).get(environment) or {}
+        env_kwargs = {k: v for k, v in knobs.items() if k in TASKS[environment].ENV_DEFAULTS}
+    return Toolset(
+        list(agent.tools),
+        agent.format,
+        agent.max_tool_calls,
+        agent.max_expression_chars,
+        eos_token,
+        environment=environment,
+        env_kwargs=env_kwargs,
+        timeout_s=getattr(agent, "tool_timeout_s", 10.0),
+    )
 
 
 # --------------------------------------------------------------------- traces in training data
 _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 
 
-def split_annotated(text: str, fmt: str = "inline", eos_token: str = "<|im_end|>") -> list[tuple[str, bool]]:
+def split_annotated(
+    text: str, fmt: str = "inline", eos_token: str = "<|im_end|>", episode: Optional[Episode] = None
+) -> list[tuple[str, bool]]:
     """A worked solution with GSM8K annotations -> segments (text, is_model_text), exactly as the tool
     loop produces them: the policy writes `<<48/2=`, the tool writes `24>>`.
 
     '48/2=<<48/2=24>>24 clips' -> [('48/2=<<48/2=', True), ('24>>', False), ('24 clips', True)].
-    The tool's part is what the calculator returns for the expression (not the annotation's own
-    text); an annotation it cannot evaluate is dropped (the policy writes that step itself). For the
-    chat format each call becomes a `<tool_call>` that ends the turn and a `<tool_response>` turn."""
+    Without `episode` the tool is the calculator: its part is what the calculator returns for the
+    expression (not the annotation's own text), and an annotation it cannot evaluate is dropped (the
+    policy writes that step itself). With `episode` (an environment's demonstration, one fresh episode
+    reset with the row) every annotation is a call of the environment's tool, replayed in order, and the
+    result is what the environment answers at that point. For the chat format each call becomes a
+    `<tool_call>` that ends the turn and a `<tool_response>` turn."""
     segments: list[tuple[str, bool]] = []
     pos = 0
     f = InlineFormat() if fmt == "inline" else ChatFormat(eos_token)
     end_turn = eos_token if fmt == "chat" else ""
     pending = ""
     for m in _ANNOTATION.finditer(text):
-        result, ok = call_tool(calculator, m.group(1))
+        if episode is None:
+            result, ok = call_tool(calculator, m.group(1))
+            call = Call("calculator", {"expression": m.group(1)})
+        else:
+            result, ok = episode.run(Call("", {"expression": m.group(1)}))
+            name = episode.toolset.default_tool
+            param = _first_param(episode.tools.get(name)) if episode.tools.get(name) else None
+            call, ok = Call(name, {param or "expression": m.group(1)}), True
         if not ok:  # an annotation the calculator cannot evaluate: the policy writes that step itself
             pending += text[pos : m.start()]
             pos = m.end()
             continue
-        call = Call("calculator", {"expression": m.group(1)})
         segments.append((pending + text[pos : m.start()] + f.render_call(call) + end_turn, True))
         segments.append((f.render_result(result), False))
         pending, pos = "", m.end()

@@ -9,7 +9,7 @@ episode is solved when the completion's last `#### <expression>` line is a legal
 target (`correct`), checked with exact arithmetic (`fractions.Fraction`).
 
 `make_rows` generates solvable instances (a random integer expression over the numbers gives the target) with
-demonstrations in the inline annotation syntax, `try E <<E=RESULT>>`, whose RESULTs are what `check` returns;
+demonstrations in the inline annotation syntax, `<<E=RESULT>>` per try, whose RESULTs are what `check` returns;
 training demos include near-miss failed tries (other expressions over the same numbers) before the solution.
 """
 
@@ -418,7 +418,7 @@ def make_rows(
         failed = rng.randint(1, k["max_failed_tries"]) if split == "train" and rng.random() < k["hard_share"] else 0
         tries = (_near_misses(numbers, target, failed, rng) if failed else []) + [solution]
         env.reset(**row)
-        answer = " ".join(f"try {e} <<{e}={env.check(e)}>>" for e in tries) + f"\n#### {solution}"
+        answer = " ".join(f"<<{e}={env.check(e)}>>" for e in tries) + f"\n#### {solution}"
         rows.append(
             {
                 "question": question(numbers, target, env.use_all),
