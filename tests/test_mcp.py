@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -56,6 +57,10 @@ def test_tools_have_schemas_and_bad_arguments_are_structured_errors(repo):
             "eval_unknown": await s.call_tool("evaluate", {"experiment": "nope", "n": 3}),
             "describe": await s.call_tool("describe", {}),
             "status": await s.call_tool("status", {}),
+            # issue 26 item 6: 100,000 keys (>120 s of quadratic validation before) are refused by size
+            "huge": await s.call_tool("run_experiment", {"overrides": {f"k{i}": 1 for i in range(100_000)}}),
+            "interpolation": await s.call_tool("run_experiment", {"overrides": {"serve.host": "${oc.env:HOME}"}}),
+            "import_path": await s.call_tool("run_experiment", {"overrides": {"agent.tools": ["this:s"]}}),
         }
         return tools, calls
 
@@ -71,11 +76,15 @@ def test_tools_have_schemas_and_bad_arguments_are_structured_errors(repo):
         "wrong_type": ("wrong_type", "seed"),
         "unknown_exp": ("unknown_experiment", "b"),
         "eval_unknown": ("unknown_experiment", "experiment"),
+        "huge": ("request_too_large", "overrides"),
+        "interpolation": ("invalid_value", "serve.host"),
+        "import_path": ("not_allowed", "agent.tools"),
     }
     for name, (type_, key) in expected.items():
         err = payload(calls[name])["error"]
         assert calls[name].is_error and (err["type"], err["key"]) == (type_, key), (name, err)
     assert "Traceback" not in json.dumps([payload(c) for c in calls.values()])
+    assert os.environ["HOME"] not in json.dumps(payload(calls["interpolation"]))
     described = payload(calls["describe"])
     assert described["params_schema"]["properties"].keys() >= {"seed", "data", "eval"}
     assert payload(calls["status"])["runs"] == []

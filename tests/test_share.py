@@ -121,6 +121,49 @@ def test_push_then_pull_in_a_clone_through_a_one_off_remote(tmp_path):
     assert r.returncode == 1 and "DVC_REMOTE" in r.stderr, r.stderr
 
 
+def test_pull_refuses_a_corrupted_remote_naming_the_file(tmp_path):
+    """Issue 26 item 4: one flipped byte of a model file on the remote. `make pull` used to install it (exit 0,
+    md5 different from dvc.lock, `dvc status` clean); now DVC's `verify` hashes what it downloads and the pull
+    fails naming the file, which is not installed. A remote that does not exist is named as such."""
+    import hashlib
+
+    a, remote = tmp_path / "a", tmp_path / "remote"
+    (a / "models/merged").mkdir(parents=True)
+    run(["git", "init", "-q"], a)
+    run(["dvc", "init", "-q"], a)
+    weights = b"\x00weights of the run\x01" * 64
+    (a / "models/merged/model.safetensors").write_bytes(weights)
+    (a / "models/merged/config.json").write_text("{}")
+    run(["dvc", "add", "-q", "models/merged"], a)
+    run(["git", "add", "-A"], a)
+    run(["git", "commit", "-qm", "model"], a)
+    run([sys.executable, "-m", "agentrl.share", "push", "--remote", str(remote)], a)
+    md5 = hashlib.md5(weights).hexdigest()
+    obj = remote / "files/md5" / md5[:2] / md5[2:]
+    obj.chmod(0o644)
+    data = bytearray(obj.read_bytes())
+    data[10] ^= 0xFF
+    obj.write_bytes(bytes(data))
+
+    b = tmp_path / "b"
+    run(["git", "clone", "-q", str(a), str(b)], tmp_path)
+    r = run([sys.executable, "-m", "agentrl.share", "pull", "--remote", str(remote)], b, check=False)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "models/merged/model.safetensors" in r.stderr and "corrupt" in r.stderr and md5 in r.stderr, r.stderr
+    assert not (b / "models/merged/model.safetensors").exists()  # nothing unverified was installed
+
+    r = run(
+        [sys.executable, "-m", "agentrl.share", "pull", "--remote", str(tmp_path / "no-such-remote")], b, check=False
+    )
+    assert r.returncode == 1 and "does not exist" in r.stderr and str(tmp_path / "no-such-remote") in r.stderr
+    assert "Is your cache up to date" not in r.stderr, r.stderr
+
+    data[10] ^= 0xFF  # the remote repaired: the same pull installs the exact bytes
+    obj.write_bytes(bytes(data))
+    run([sys.executable, "-m", "agentrl.share", "pull", "--remote", str(remote)], b)
+    assert (b / "models/merged/model.safetensors").read_bytes() == weights
+
+
 # ------------------------------------------------------------------------------------------------ the card
 def fake_run(tmp: Path, *, tools: bool = True, int8: bool = True) -> dict:
     """The metrics files and models/merged a pipeline run leaves, with values the card must carry."""
@@ -209,7 +252,7 @@ def test_card_stage_reports_what_it_depends_on():
 
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     card = stages["card"]
-    assert card["cmd"] == "python -m agentrl.card"
+    assert card["cmd"] == "sh scripts/stage-python.sh -m agentrl.card"
     assert set(card["params"]) == set(CARD_PARAMS)
     assert set(METRICS_FILES) | {str(MERGED)} <= set(card["deps"])
     # its output is outside every other stage's output (DVC refuses overlaps) and holds the card

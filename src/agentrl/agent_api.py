@@ -27,6 +27,7 @@ operations on the repository.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from . import config
+from . import overrides as overrides_mod
 
 Progress = Optional[Callable[[float, Optional[float], str], None]]
 
@@ -181,6 +183,10 @@ def _resolve(root: Path, name: str, key: str) -> Optional[str]:
     """Experiment name, git revision or "workspace" -> full commit sha (None for the workspace)."""
     if name == "workspace":
         return None
+    if len(name) > 200 or name.startswith("-") or overrides_mod.CONTROL_RE.search(name):
+        raise APIError(
+            "invalid_value", f"'{key}' must be an experiment name or git revision, got {name[:200]!r}", key=key
+        )
     from dvc.repo import Repo
     from dvc.scm import RevError, resolve_rev
 
@@ -208,23 +214,50 @@ def experiment_names(root: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- overrides
-def _set(tree: dict, dotted: str, value: Any) -> None:
-    """Set tree[a][b][c] = value for "a.b.c" (sections created as needed); raises for a value parent."""
-    node, parts = tree, dotted.split(".")
-    for i, p in enumerate(parts[:-1]):
-        if p not in node:
-            node[p] = {}
-        elif not isinstance(node[p], dict):
-            parent = ".".join(parts[: i + 1])
-            msg = f"'{parent}' is a value, not a section"
-            raise APIError(
-                "unknown_key",
-                f"{dotted}: {msg}",
-                key=dotted,
-                errors=[{"key": dotted, "type": "unknown_key", "message": msg}],
-            )
-        node = node[p]
-    node[parts[-1]] = value
+# Limits of one request (every action): its JSON size, nesting, and the number of override keys. Checked first,
+# in time linear in the request (and bounded by the limit), so a huge request costs nothing.
+MAX_REQUEST_CHARS = 64 * 1024
+MAX_DEPTH = 8
+MAX_OVERRIDES = 256
+
+# Keys whose values are import paths (`module:attr`): an agent's override may name registry entries (checked by
+# config.validate_params without importing anything) or import paths the user's own params.yaml names at the
+# same key; never a new one (agent.tools=["os:system"] would run it). agent.environment: a registry name or
+# module:Class, when the schema has it.
+IMPORT_KEYS = ("agent.tools", "grpo.rewards", "agent.environment")
+# Keys whose values are paths or hub ids the stages open: relative, no '..', inside the repository.
+PATH_KEYS = ("data.train_file", "data.test_file", "data.hub_dataset", "model.base_model", "serve.model_path")
+ACCELERATE_DIR = "configs/accelerate"
+# Keys only the user's params.yaml sets: where a model is served (its network exposure).
+RESERVED_KEYS = ("serve.host",)
+# Pass-through (TRL/PEFT) arguments that reach the network, the filesystem or code: only the user's params.yaml
+# sets them (push_to_hub, hub_model_id, *_dir, *_path, accelerator_config, vllm_server_host, ...).
+PASSTHROUGH_SECTIONS = ("sft.trainer", "grpo.trainer", "sft.lora", "grpo.lora")
+RESERVED_PASSTHROUGH = re.compile(r"(hub|_dir$|_path$|_file$|_config$|_url$|_host$|_port$|token|vllm_server|callback)")
+
+
+def _too_large(args: dict) -> Optional[tuple[str, str]]:
+    """(why, argument) when the request exceeds MAX_REQUEST_CHARS / MAX_DEPTH, naming the argument where the
+    limit was passed; None when it does not. Iterative, stops as soon as a limit is passed."""
+    size = 0
+    for key, value in args.items():
+        size += len(str(key)) + 4
+        stack = [(value, 1)]
+        while stack:
+            v, depth = stack.pop()
+            if depth > MAX_DEPTH + 2:
+                return f"nested deeper than {MAX_DEPTH + 2} levels", str(key)[:100]
+            if isinstance(v, dict):
+                size += 2 + sum(len(str(k)) + 4 for k in v)
+                stack.extend((x, depth + 1) for x in v.values())
+            elif isinstance(v, (list, tuple)):
+                size += 2 + len(v)
+                stack.extend((x, depth + 1) for x in v)
+            else:
+                size += len(v) + 2 if isinstance(v, str) else 8
+            if size > MAX_REQUEST_CHARS:
+                return f"larger than {MAX_REQUEST_CHARS} characters of JSON", str(key)[:100]
+    return None
 
 
 _WRONG_TYPE = re.compile(r"(_type|_parsing)$")
@@ -243,27 +276,61 @@ def _kind(err: dict) -> str:
     return "invalid_value"
 
 
+_PARAMS_CACHE: dict[Path, tuple[str, Any]] = {}
+
+
+def _params_text(root: Path) -> tuple[str, dict]:
+    """(text, tree) of the workspace's params.yaml, the tree read as the stages read it (config.load_yaml:
+    strict, 1e-6 a number); parsed again only when the text changed. The tree is a copy, free to edit."""
+    path = root / "params.yaml"
+    text = path.read_text()
+    cached = _PARAMS_CACHE.get(path)
+    if cached is None or cached[0] != text:
+        try:
+            raw = config.load_yaml(path)
+        except config.ParamsError as e:
+            raise APIError(
+                "invalid_workspace_params", f"the workspace's params.yaml cannot be read: {e}", key=None
+            ) from None
+        cached = _PARAMS_CACHE[path] = (text, raw if isinstance(raw, dict) else {})
+    return text, copy.deepcopy(cached[1])
+
+
 def _read_params(root: Path) -> dict:
     """params.yaml read as the stages read it (config.load_yaml: strict, 1e-6 a number)."""
+    return _params_text(root)[1]
+
+
+def _override_error(e: overrides_mod.OverrideError) -> APIError:
+    return APIError(e.type, str(e), key=e.key, errors=[{"key": e.key, "type": e.type, "message": e.message}])
+
+
+def _schema_check(tree: dict, keys: list[str], source: str) -> None:
     try:
-        raw = config.load_yaml(root / "params.yaml")
+        config.validate_params(tree, source)
     except config.ParamsError as e:
-        raise APIError(
-            "invalid_workspace_params", f"the workspace's params.yaml cannot be read: {e}", key=None
-        ) from None
-    return raw if isinstance(raw, dict) else {}
+        errors = _errors(e, tree, keys)
+        first = errors[0] if errors else {"key": None, "type": "invalid_params"}
+        raise APIError(first["type"], str(e), key=first["key"], errors=errors) from None
 
 
-def validate_overrides(root: Path, overrides: Any) -> tuple[dict, list[str]]:
-    """params.yaml with the overrides applied in memory, validated by config.validate_params, and the
-    DVC `-S` arguments for them. Raises APIError naming the first offending key."""
+def validate_overrides(root: Path, overrides: Any) -> tuple[dict, list[str], str]:
+    """(params, -S arguments, params.yaml text) for the overrides: the arguments rendered once
+    (agentrl.overrides.render), applied to the workspace's params.yaml as `dvc exp run -S` applies them
+    (overrides.apply, DVC's own code), read back as the stages read it, and validated (config.validate_params
+    and the agent rules: no interpolation, no new import path, paths inside the repository). What is validated
+    is the file the experiment runs with. Raises APIError naming the first offending key; nothing is written."""
     if not isinstance(overrides, dict):
         raise APIError(
             "wrong_type",
             f"'overrides' must be an object {{\"dotted.key\": value}}, got {type(overrides).__name__}",
             key="overrides",
         )
-    raw = _read_params(root)
+    if len(overrides) > MAX_OVERRIDES:
+        raise APIError(
+            "request_too_large", f"{len(overrides)} overrides; at most {MAX_OVERRIDES} per run", key="overrides"
+        )
+    text, raw = _params_text(root)
     try:
         config.validate_params(raw)
     except config.ParamsError as e:
@@ -274,25 +341,128 @@ def validate_overrides(root: Path, overrides: Any) -> tuple[dict, list[str]]:
             key=errors[0]["key"] if errors else None,
             errors=errors,
         ) from None
-    set_args = []
-    for k, v in overrides.items():
-        if not isinstance(k, str) or not k or any(not p for p in k.split(".")):
-            msg = "not a dotted params key such as 'eval.batch_size'"
-            raise APIError(
-                "unknown_key",
-                f"'{k}': {msg}",
-                key=str(k),
-                errors=[{"key": str(k), "type": "unknown_key", "message": msg}],
-            )
-        _set(raw, k, v)
-        set_args += ["-S", f"++{k}={hydra_value(v)}"]  # Hydra's add-or-override
+    keys = list(overrides)
+    if not keys:  # `dvc exp run` without -S: params.yaml as it is
+        return raw, [], text
+    intended = copy.deepcopy(raw)
     try:
-        config.validate_params(raw, "params.yaml + overrides")
-    except config.ParamsError as e:
-        errors = _errors(e, raw, list(overrides))
-        first = errors[0] if errors else {"key": None, "type": "invalid_params"}
-        raise APIError(first["type"], str(e), key=first["key"], errors=errors) from None
-    return raw, set_args
+        for k, v in overrides.items():
+            overrides_mod.check_key(k)
+            overrides_mod.check_value(k, v, MAX_DEPTH)
+        clash = overrides_mod.overlapping(keys)
+        if clash:
+            raise overrides_mod.OverrideError(
+                clash[1], f"overlaps '{clash[0]}' in the same request: set one or the other", "invalid_value"
+            )
+        for k, v in overrides.items():
+            overrides_mod.set_value(intended, k, overrides_mod.hydra_keys(v))
+    except overrides_mod.OverrideError as e:
+        raise _override_error(e) from None
+    # the quick checks on the values as given (most refusals end here), then the authoritative ones on the
+    # params.yaml that `dvc exp run -S` writes
+    _schema_check(intended, keys, "params.yaml + overrides")
+    _check_policy(root, raw, intended, overrides)
+    set_args = overrides_mod.render(overrides, raw)
+    try:
+        new_text = overrides_mod.apply(text, set_args)
+    except overrides_mod.OverrideError as e:
+        raise _override_error(e) from None
+    applied = overrides_mod.load(new_text)
+    for k, v in overrides.items():
+        got = overrides_mod.get(applied, k)
+        if not overrides_mod.same(got, v):
+            shown = "nothing" if got is overrides_mod.MISSING else f"{got!r} ({type(got).__name__})"
+            raise APIError(
+                "not_representable",
+                f"{k}: `dvc exp run -S` would write {shown} to params.yaml, not the value given "
+                f"({v!r}); write it differently (e.g. a number, not a string) or set it in params.yaml",
+                key=k,
+            )
+    _schema_check(applied, keys, "params.yaml + overrides, as dvc exp run -S writes it")
+    _check_policy(root, raw, applied, overrides)
+    return applied, set_args, new_text
+
+
+def _import_names(tree: dict, key: str) -> list[str]:
+    v = overrides_mod.get(tree, key)
+    if isinstance(v, dict):
+        return [str(k) for k in v]
+    if isinstance(v, list):
+        return [x for x in v if isinstance(x, str)]
+    return [v] if isinstance(v, str) else []
+
+
+def _leaves(v: Any, where: str):
+    stack = [(v, where)]
+    while stack:
+        x, w = stack.pop()
+        if isinstance(x, dict):
+            stack.extend((y, f"{w}.{k}") for k, y in x.items())
+        elif isinstance(x, list):
+            stack.extend((y, f"{w}.{i}") for i, y in enumerate(x))
+        else:
+            yield w, x
+
+
+def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
+    """The agent rules on the params an override produces, against the user's params.yaml (`base`)."""
+    for key in IMPORT_KEYS:
+        allowed = set(_import_names(base, key))
+        for name in _import_names(tree, key):
+            if ":" in name and name not in allowed:
+                raise APIError(
+                    "not_allowed",
+                    f"{key}: '{name}' is an import path that params.yaml does not name; an override may use the "
+                    f"registry's names or the import paths params.yaml already lists there ({sorted(allowed)})",
+                    key=key,
+                )
+    for key in RESERVED_KEYS:
+        if not overrides_mod.same(overrides_mod.get(tree, key), overrides_mod.get(base, key)):
+            raise APIError("not_allowed", f"{key}: only params.yaml sets it, not an override", key=key)
+    for key in PATH_KEYS:
+        v = overrides_mod.get(tree, key)
+        if isinstance(v, str) and not overrides_mod.same(v, overrides_mod.get(base, key)):
+            _check_repo_path(root, key, v)
+    accel = overrides_mod.get(tree, "distributed.accelerate_config")
+    if isinstance(accel, str) and accel != overrides_mod.get(base, "distributed.accelerate_config"):
+        _check_repo_path(root, "distributed.accelerate_config", accel, under=ACCELERATE_DIR, must_exist=True)
+    for section in PASSTHROUGH_SECTIONS:
+        new, old = overrides_mod.get(tree, section), overrides_mod.get(base, section)
+        if not isinstance(new, dict):
+            continue
+        old = old if isinstance(old, dict) else {}
+        for arg, v in new.items():
+            if arg in old and overrides_mod.same(v, old[arg]):
+                continue
+            where = f"{section}.{arg}"
+            if RESERVED_PASSTHROUGH.search(str(arg)):
+                raise APIError(
+                    "not_allowed",
+                    f"{where}: reaches the network, files or code (hub, paths, servers); only params.yaml sets it",
+                    key=where,
+                )
+            for leaf, x in _leaves(v, where):
+                if isinstance(x, str) and ("/" in x or "\\" in x or x.startswith(("~", "."))):
+                    raise APIError(
+                        "not_allowed",
+                        f"{leaf}: {x[:100]!r} looks like a path; an override sets values, not paths",
+                        key=where,
+                    )
+
+
+def _check_repo_path(root: Path, key: str, value: str, under: str = "", must_exist: bool = False) -> None:
+    """A relative path without '..' that stays inside the repository (under `under`), after symlinks."""
+    parts = value.replace("\\", "/").split("/")
+    bad = value.startswith(("/", "~")) or ".." in parts or "\\" in value or not value
+    target = (root / value).resolve()
+    base = (root / under).resolve() if under else root.resolve()
+    if bad or not target.is_relative_to(base) or (must_exist and not target.is_file()):
+        where = f"a file under {under}/" if under else "a path inside the repository"
+        raise APIError(
+            "not_allowed",
+            f"{key}: must be {where} (relative, no '..'{', existing' if must_exist else ''}), got {value[:200]!r}",
+            key=key,
+        )
 
 
 _LINE = re.compile(r"^\s+(\S+?): (.+)$")
@@ -300,7 +470,8 @@ _LINE = re.compile(r"^\s+(\S+?): (.+)$")
 
 def _errors(e: Exception, raw: dict, overrides: list[str]) -> list[dict]:
     """One {key, type, message} per offending key of a ParamsError (its documented `  key.path: message`
-    lines; the type from pydantic's error where the schema raised it), the overridden keys first."""
+    lines; the type from pydantic's error where the schema raised it), the overridden keys first. Linear in
+    the number of errors and keys (prefix sets, no pairwise comparison)."""
     from pydantic import ValidationError
 
     kinds = {}
@@ -322,42 +493,22 @@ def _errors(e: Exception, raw: dict, overrides: list[str]) -> list[dict]:
             else "invalid_value"
         )
         out.append({"key": key, "type": kind, "message": msg})
+    given = set(overrides)
+    above = {".".join(k.split(".")[:i]) for k in overrides for i in range(1, k.count(".") + 1)}
 
     def related(err: dict) -> bool:
-        return any(
-            err["key"] == k or err["key"].startswith(k + ".") or k.startswith(err["key"] + ".") for k in overrides
-        )
+        parts = err["key"].split(".")
+        return err["key"] in above or any(".".join(parts[:i]) in given for i in range(1, len(parts) + 1))
 
     return sorted(out, key=lambda err: not related(err))
 
 
 def hydra_value(v: Any) -> str:
-    """A JSON value in the override grammar of `dvc exp run -S` (Hydra's)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        # Hydra's quoted string: a quote is escaped, and so is every backslash before a quote or the end
-        v = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", v)
-        v = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, v)
-        return "'" + v + "'"
-    if isinstance(v, list):
-        return "[" + ",".join(hydra_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
-    raise APIError("wrong_type", f"unsupported value type {type(v).__name__}", key=None)
-
-
-def _get(tree: dict, dotted: str) -> Any:
-    node: Any = tree
-    for p in dotted.split("."):
-        if not isinstance(node, dict) or p not in node:
-            return KeyError
-        node = node[p]
-    return node
+    """A JSON value in the override grammar of `dvc exp run -S` (Hydra's): agentrl.overrides.hydra_value."""
+    try:
+        return overrides_mod.hydra_value(v)
+    except TypeError as e:
+        raise APIError("wrong_type", str(e), key=None) from None
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -473,7 +624,8 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
             f"'name' must be letters, digits, '.', '_' or '-' (a git ref name), got '{name}'",
             key="name",
         )
-    params, set_args = validate_overrides(r, overrides)
+    params, set_args, _ = validate_overrides(r, overrides)
+    set_args = [x for arg in set_args for x in ("-S", arg)]  # each one `dvc exp run -S <arg>`
     if name in experiment_names(r) or _run_in_progress(r, name):
         raise APIError(
             "name_conflict",
@@ -509,7 +661,7 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
                     name=name,
                 )
             rev = _resolve(r, name, "name")
-            _check_params_reached(r, rev, params, overrides)
+            _check_params_reached(r, rev, params, name)
             applied = False
             if mode == "workspace":
                 run.update("applying the experiment to the workspace (dvc exp apply)")
@@ -541,18 +693,24 @@ def _run_in_progress(root: Path, name: str) -> bool:
         return False
 
 
-def _check_params_reached(root: Path, rev: Optional[str], params: dict, overrides: dict) -> None:
-    """Every override must be in the experiment's params.yaml as given (no silent fallback)."""
+def _check_params_reached(root: Path, rev: Optional[str], params: dict, name: str) -> None:
+    """The experiment ran with exactly the params that were validated (no silent fallback); otherwise the
+    experiment is removed and the call fails naming the first differing key."""
     from dvc.api import DVCFileSystem
 
-    with tempfile.TemporaryDirectory(dir=_state_dir(root)) as d:
-        (Path(d) / "params.yaml").write_text(DVCFileSystem(str(root), rev=rev).read_text("params.yaml"))
-        got = config.load_yaml(Path(d) / "params.yaml")
-    for k, v in overrides.items():
-        if _get(got, k) != v:
-            raise APIError(
-                "override_not_applied", f"{k}: asked for {v!r}, the experiment ran with {_get(got, k)!r}", key=k
-            )
+    got = overrides_mod.load(DVCFileSystem(str(root), rev=rev).read_text("params.yaml"))
+    if overrides_mod.same(got, params):
+        return
+    diff = next(
+        (k for k, v in _leaves(params, "") if not overrides_mod.same(overrides_mod.get(got, k[1:]), v)), ".params.yaml"
+    )[1:]
+    _dvc(root, "exp", "remove", name, check=False)
+    raise APIError(
+        "override_not_applied",
+        f"{diff}: the experiment ran with {overrides_mod.get(got, diff)!r}, validated was "
+        f"{overrides_mod.get(params, diff)!r}; the experiment '{name}' was removed",
+        key=diff,
+    )
 
 
 # --------------------------------------------------------------------------------------- reading
@@ -776,12 +934,18 @@ def call(
     try:
         if action not in ACTIONS:
             raise APIError(
-                "unknown_action", f"unknown action '{action}'; expected one of {sorted(ACTIONS)}", key="action"
+                "unknown_action",
+                f"unknown action {str(action)[:100]!r}; expected one of {sorted(ACTIONS)}",
+                key="action",
             )
         if args is None:
             args = {}
         if not isinstance(args, dict):
             raise APIError("wrong_type", f"arguments must be a JSON object, got {type(args).__name__}", key=None)
+        too_large = _too_large(args)
+        if too_large:
+            why, key = too_large
+            raise APIError("request_too_large", f"'{key}' is {why}: the request is refused unread", key=key)
         kw = {"progress": progress} if action in PROGRESS_ACTIONS else {}
         result = ACTIONS[action](args, root=root, **kw)
         return json.loads(json.dumps(result, default=str))

@@ -45,10 +45,14 @@ def remote_override(url: Optional[str]) -> Optional[dict]:
     return {"remote": {OVERRIDE: {"url": url}}, "core": {"remote": OVERRIDE}}
 
 
-def open_repo(url: Optional[str]):
+def open_repo(url: Optional[str], verify: bool = False):
+    """(repo, remote name, remote url) with DVC_REMOTE as the default remote when given. `verify`: DVC's remote
+    option `verify` for this process, so a download is hashed and an object whose content does not match its
+    name (a corrupted remote) is refused instead of installed."""
     from dvc.repo import Repo
 
-    repo = Repo(".", config=remote_override(url))
+    override = remote_override(url)
+    repo = Repo(".", config=override)
     name = repo.config["core"].get("remote")
     if not name:
         raise ShareError(
@@ -57,7 +61,26 @@ def open_repo(url: Optional[str]):
         )
     if name not in repo.config["remote"]:
         raise ShareError(f"the default DVC remote {name!r} is not defined in .dvc/config")
+    if verify:
+        repo.close()
+        conf = override or {}
+        conf = {
+            **conf,
+            "remote": {**conf.get("remote", {}), name: {**conf.get("remote", {}).get(name, {}), "verify": True}},
+        }
+        repo = Repo(".", config=conf)
     return repo, name, repo.config["remote"][name]["url"]
+
+
+def check_remote_exists(repo, name: str, where: str) -> None:
+    """A remote that does not exist (a mistyped directory, an empty bucket path) is an error naming it, not
+    DVC's 'Is your cache up to date?'."""
+    remote = repo.cloud.get_remote(name)
+    if not remote.fs.exists(remote.path):
+        raise ShareError(
+            f"the DVC remote {name!r} ({where}) does not exist: nothing was pushed there. Check "
+            f"{REMOTE_ENV} / .dvc/config, or run `make push` where the results are"
+        )
 
 
 def git_remote_url(name: str) -> Optional[str]:
@@ -122,19 +145,111 @@ def push(url: Optional[str], git_remote: str) -> dict:
     return out
 
 
+class _Corrupt(logging.Filter):
+    """DVC (remote option `verify`) hashes each object it downloads and drops one whose content does not match
+    its name, logging `corrupted cache file '<path>'` at debug level (dvc_data.hashfile.db); collected here to
+    name the files. Records below the logger's former level are dropped after reading, as before."""
+
+    MARK = re.compile(r"corrupted cache file '([^']+)'")
+    LOGGER = "dvc_data.hashfile.db"
+
+    def __init__(self):
+        super().__init__()
+        self.paths: list[str] = []
+
+    def __enter__(self):
+        self.log = logging.getLogger(self.LOGGER)
+        self.level, self.quiet_below = self.log.level, self.log.getEffectiveLevel()
+        self.log.setLevel(logging.DEBUG)
+        self.log.addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.log.removeFilter(self)
+        self.log.setLevel(self.level)
+
+    def filter(self, record):
+        m = self.MARK.search(record.getMessage())
+        if m:
+            self.paths.append(m.group(1))
+        return record.levelno >= self.quiet_below
+
+
+def _objects(repo) -> dict[str, str]:
+    """{md5 of a cached object: the workspace path it is}, for every output of the pipeline and the files
+    inside directory outputs (from their .dir manifests in the local cache, when present)."""
+    import json
+
+    out: dict[str, str] = {}
+    for o in repo.index.outs:
+        if not o.hash_info or not o.hash_info.value:
+            continue
+        value, path = o.hash_info.value, os.path.relpath(o.fs_path, repo.root_dir)
+        out[value.removesuffix(".dir")] = path + (" (its .dir listing)" if value.endswith(".dir") else "")
+        if value.endswith(".dir"):
+            manifest = Path(repo.cache.local.path) / value[:2] / value[2:]
+            try:
+                entries = json.loads(manifest.read_text())
+            except (OSError, ValueError):
+                continue
+            for e in entries:
+                out[e["md5"]] = f"{path}/{e['relpath']}"
+    return out
+
+
+def _corrupt_names(repo, paths: list[str]) -> list[str]:
+    known = _objects(repo)
+    names = []
+    for p in paths:
+        parts = Path(p).parts
+        md5 = (parts[-2] + parts[-1]).removesuffix(".dir") if len(parts) >= 2 else p
+        names.append(f"{known.get(md5, p)} (md5 {md5})")
+    return names
+
+
 def pull(url: Optional[str], git_remote: str) -> dict:
-    repo, name, where = open_repo(url)
+    """`dvc pull` with the remote's `verify` on: every downloaded object is hashed, and a file whose content
+    does not match dvc.lock fails the pull naming it (it is not installed); a remote that does not exist and
+    outputs missing from it are named as such."""
+    from dvc.exceptions import DvcException
+
+    repo, name, where = open_repo(url, verify=True)
     with repo:
+        check_remote_exists(repo, name, where)
         t = time.perf_counter()
-        stats = repo.pull()["stats"]
-        out = {
-            "remote": name,
-            "url": where,
-            "fetched": stats.get("fetched", 0),
-            "seconds": round(time.perf_counter() - t, 2),
-        }
-        print(f"dvc pull: {out['fetched']} files from remote {name!r} ({where}) in {out['seconds']} s")
-        out["experiments"] = _experiments(repo, "pull", git_remote)
+        missing = _MissingCache()
+        root_log = logging.getLogger()  # dvc_data.index.fetch (a logger outside "dvc") warns of missing files
+        root_log.addHandler(missing)
+        error = None
+        try:
+            with _Corrupt() as corrupt:
+                try:
+                    stats = repo.pull()["stats"]
+                    out = {
+                        "remote": name,
+                        "url": where,
+                        "fetched": stats.get("fetched", 0),
+                        "seconds": round(time.perf_counter() - t, 2),
+                    }
+                    print(f"dvc pull: {out['fetched']} files from remote {name!r} ({where}) in {out['seconds']} s")
+                    out["experiments"] = _experiments(repo, "pull", git_remote)
+                except DvcException as e:
+                    error = e
+        finally:
+            root_log.removeHandler(missing)
+        if corrupt.paths:
+            raise ShareError(
+                f"{len(corrupt.paths)} files from remote {name!r} ({where}) do not match their hashes in dvc.lock "
+                "(the remote's copy is corrupt) and were not installed: "
+                + "; ".join(_corrupt_names(repo, corrupt.paths)[:10])
+            )
+        if missing.missing:
+            raise ShareError(
+                f"{len(missing.missing)} outputs of dvc.lock are not on remote {name!r} ({where}): "
+                f"{'; '.join(missing.missing[:10])}; push them from where the results are (make push)"
+            )
+        if error is not None:
+            raise error
     return out
 
 
