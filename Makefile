@@ -150,6 +150,18 @@ bench: setup
 bench-tools: setup
 	python scripts/bench.py --tools-only
 
+# The cost of reproducibility.mode portable vs native (SFT and GRPO step times, each mode in its own processes,
+# alternating): metrics/bench_reproducibility.json (docs/reproducibility.md)
+.PHONY: bench-repro seeds
+bench-repro: setup
+	python scripts/bench.py --reproducibility
+
+# The pipeline over N seeds (N=3: seeds 42-44) as DVC experiments seed-K, aggregated into docs/seeds.json,
+# docs/seeds.md and the README's seeds block (mean, sd, min-max per stage; GRPO-SFT per seed and pooled)
+# (N defaults to 3 here, not the sweeps' 10)
+seeds: setup
+	python scripts/seeds.py -n $(if $(filter command line environment,$(origin N)),$(N),3) --jobs $(JOBS)
+
 # GPU check (README "GPU check"): the recipe's code paths on one CUDA GPU, offline, one table in gpu_check/gpu_check.md.
 # Exit 2 without a CUDA device; GPU_CHECK_ARGS="--cpu-smoke" runs the same sequence on the CPU with a tiny model.
 .PHONY: gpu-check

@@ -363,6 +363,95 @@ def tools_only(params, repeats: int, n: int) -> None:
     print("\n".join(lines))
 
 
+def reproducibility_child(mode: str) -> None:
+    """One side of `--reproducibility` in its own process (the kernels are fixed per process), in the scratch
+    directory the parent prepared: SFT and GRPO step times under reproducibility.mode `mode`, one JSON line."""
+    from agentrl.reproducibility import state
+
+    params = load_params()  # the scratch params.yaml, whose mode `import agentrl` applied before torch computed
+    assert params.reproducibility.mode == mode, (params.reproducibility, mode)
+    sft = sft_step_times(params, False)
+    grpo = grpo_step_stats(params, steps=REPRO_GRPO_STEPS)
+    out = {"mode": mode, "state": state(), "sft": sft, "grpo_seconds_per_step": grpo["seconds_per_step"]}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+REPRO_GRPO_STEPS = 6
+
+
+def reproducibility_cost(repeats: int) -> dict:
+    """`make bench-repro`: the cost of reproducibility.mode portable, side by side with native, on params.yaml's
+    model and trainer configs. In a scratch directory: prepare, the base model (not pre-trained: the shapes and
+    the work per step are the default's) and a 2-step SFT adapter; then SFT steps (sft_step_times) and GRPO steps
+    (grpo_step_stats, steps 3..6) in one process per mode (torch and MKL fix their kernels per process),
+    alternating native, portable, native, ... so a drifting machine load hits both. Ratio = portable / native of
+    the medians -> metrics/bench_reproducibility.json."""
+    import yaml
+
+    from agentrl.config import load_yaml
+    from agentrl.reproducibility import unpinned_environ
+
+    here = Path.cwd()
+    runs: dict[str, list[dict]] = {"native": [], "portable": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        p = load_yaml("params.yaml")
+        p["data"]["synthetic"].update(num_train=2000, num_test=50)
+        p["model"]["pretrain"]["enabled"] = False
+        p["sft"]["trainer"].update(max_steps=2, save_strategy="no")
+        p["tracking"]["report_to"] = []
+        env = {**unpinned_environ(), "WANDB_MODE": "disabled"}
+        env.pop("AGENTRL_PARAMS", None)
+
+        def run(cmd: list[str], what: str) -> str:
+            r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+            if r.returncode:
+                raise SystemExit(f"bench: {what} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+            return r.stdout
+
+        Path(tmp, "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+        for stage in ("prepare", "base", "sft"):
+            run([sys.executable, "-m", f"agentrl.{stage}"], stage)
+        for i in range(repeats):
+            for mode in ("native", "portable"):
+                p.setdefault("reproducibility", {})["mode"] = mode
+                Path(tmp, "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+                out = run([sys.executable, str(Path(__file__).resolve()), "--reproducibility-child", mode], mode)
+                line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+                if not line:
+                    raise SystemExit(f"bench: {mode} run {i + 1} printed no result:\n{out[-2000:]}")
+                runs[mode].append(json.loads(line[-1][len("RESULT ") :]))
+                print(f"{mode} run {i + 1}: {runs[mode][-1]}", flush=True)
+    fig = {
+        "sft_trainer_step_s": lambda x: x["sft"]["trainer"],
+        "sft_plain_step_s": lambda x: x["sft"]["plain_loop"],
+        "grpo_step_s": lambda x: x["grpo_seconds_per_step"],
+    }
+    res: dict = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "repeats": repeats,
+        "kernels": {m: runs[m][0]["state"] for m in runs},
+    }
+    for name, get in fig.items():
+        med = {m: stats([get(x) for x in runs[m]]) for m in runs}
+        res[name] = {**med, "ratio_portable_over_native": med["portable"]["median"] / med["native"]["median"]}
+    write_json(here / "metrics/bench_reproducibility.json", res)
+    lines = [
+        f"reproducibility.mode portable vs native on {res['machine']}, medians of {repeats} runs per mode "
+        "(alternating processes):",
+        "",
+        "| figure | native s | portable s | portable / native |",
+        "|---|---|---|---|",
+    ]
+    for name in fig:
+        r = res[name]
+        lines.append(
+            f"| {name} | {r['native']['median']:.3f} | {r['portable']['median']:.3f} | "
+            f"{r['ratio_portable_over_native']:.2f} |"
+        )
+    print("\n".join(lines))
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -376,8 +465,21 @@ def main() -> None:
         action="store_true",
         help="only the tool-loop figures (loop vs plain generate, GRPO step with tools): metrics/bench_tools.json",
     )
+    ap.add_argument(
+        "--reproducibility",
+        action="store_true",
+        help="only the cost of reproducibility.mode portable vs native (SFT and GRPO step times): "
+        "metrics/bench_reproducibility.json",
+    )
+    ap.add_argument("--reproducibility-child", choices=["native", "portable"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
+    if a.reproducibility_child:
+        reproducibility_child(a.reproducibility_child)
+        return
+    if a.reproducibility:
+        reproducibility_cost(a.repeats)
+        return
     params = load_params()
     R = range(a.repeats)
     if a.tools_only:

@@ -58,8 +58,77 @@ METRICS_FILES = (
 )
 
 
+# the spread over seeds (`make seeds`, scripts/seeds.py): a dependency of the card stage, committed; its "seeds"
+# list is empty until `make seeds` has run
+SEEDS = Path("docs/seeds.json")
+SEED_STAGES = (("base", "base model"), ("sft", "SFT"), ("grpo", "GRPO"), ("merged", "merged"), ("merged_int8", "int8"))
+
+
 class PublishError(RuntimeError):
     pass
+
+
+def read_seeds(path: Path = SEEDS) -> Optional[dict]:
+    """The seed aggregate of `make seeds` (docs/seeds.json), or None when there is none yet (no file, or no
+    seeds in it). A file that is not such an aggregate is a ValueError naming it and what was expected."""
+    import json
+
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rerun `make seeds N=3`") from None
+    if not isinstance(data, dict) or not isinstance(data.get("seeds"), list):
+        raise ValueError(f"{path}: expected an object with a 'seeds' list (scripts/seeds.py writes it)")
+    if not data["seeds"]:
+        return None
+    for key in ("stages", "grpo_minus_sft", "pooled", "paired_per_seed"):
+        if not isinstance(data.get(key), (dict, list)):
+            raise ValueError(f"{path}: no '{key}' (expected the aggregate of scripts/seeds.py; rerun `make seeds N=3`)")
+    return data
+
+
+def _spread(s: Optional[dict], points: bool = False) -> str:
+    """mean ± sd (min–max) of a fraction, as percent (or signed points)."""
+    if not s:
+        return "–"
+    f = (lambda x: f"{100 * x:+.1f}") if points else (lambda x: f"{100 * x:.1f}%")
+    sd = "" if s.get("sd") is None else f" ± {100 * s['sd']:.1f}"
+    return f"{f(s['mean'])}{sd} ({f(s['min'])} … {f(s['max'])})"
+
+
+def seed_summary(seeds: Optional[dict], committed_seed: int) -> str:
+    """Markdown: accuracy and tool use per stage over the seeds next to the committed run's seed, and GRPO - SFT
+    per seed and pooled; or a sentence saying no seed spread was recorded."""
+    if not seeds:
+        return (
+            f"Not measured: this card reports one run (seed {committed_seed}). `make seeds N=3` runs the pipeline "
+            f"over several seeds (DVC experiments) and records the spread in `{SEEDS}`."
+        )
+    n, listed = len(seeds["seeds"]), ", ".join(map(str, seeds["seeds"]))
+    inside = "includes" if committed_seed in seeds["seeds"] else "does not include"
+    rows = [
+        f"| {label} | {_spread(seeds['stages'].get(key, {}).get('accuracy'))} | "
+        f"{_spread(seeds['stages'].get(key, {}).get('tool_use_rate'))} |"
+        for key, label in SEED_STAGES
+        if key in seeds["stages"]
+    ]
+    p = seeds["pooled"]
+    return "\n".join(
+        [
+            f"Over {n} seeds ({listed}; the set {inside} this run's seed {committed_seed}), each a whole pipeline "
+            f"run with its own problems (`{SEEDS}`, `make seeds`): mean ± sample sd (min … max).",
+            "",
+            "| model | accuracy | tool use |",
+            "|---|---|---|",
+            *rows,
+            "",
+            f"GRPO − SFT: {_spread(seeds['grpo_minus_sft'], points=True)} points; pooled over the seeds "
+            f"{p['gained']} problems gained and {p['lost']} lost of {p['problems']}, exact McNemar p = "
+            f"{p['p_value']:.2g}.",
+        ]
+    )
 
 
 def _read(path: str) -> dict:
@@ -99,7 +168,13 @@ def _signed(x: float) -> str:
 def collect(params: Params) -> dict:
     """Everything the card reports, from params and the run's metrics files (no model is loaded)."""
     m = {Path(f).stem: _read(f) for f in METRICS_FILES}
-    return {"params": params, "metrics": m, "git": git_state(), "merged_digest": model_files_digest(MERGED)}
+    return {
+        "params": params,
+        "metrics": m,
+        "git": git_state(),
+        "merged_digest": model_files_digest(MERGED),
+        "seeds": read_seeds(),
+    }
 
 
 def _base_model_line(p: Params, base: dict) -> str:
@@ -184,6 +259,7 @@ def render(info: dict) -> str:
             "test_problems": m["prepare"].get("written", {}).get("test"),
             "int8_accuracy": q.get("int8_accuracy"),
             "tools": list(p.agent.tools),
+            "seeds_in_spread": (info.get("seeds") or {}).get("seeds", []),
         },
     )
 
@@ -293,6 +369,10 @@ Greedy decoding on the held-out test split (`eval.*` params), answers extracted 
 {chr(10).join(rows)}
 
 {chr(10).join(paired) if paired else "No paired comparison recorded."}
+
+### Over seeds
+
+{seed_summary(info.get("seeds"), p.seed)}
 
 ## Tool use
 

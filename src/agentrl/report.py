@@ -115,7 +115,34 @@ def load(root: Path) -> dict:
         want_grpo = kind == "fixed by GRPO"
         chosen = [(a, b) for a, b in pairs if b["correct"] == want_grpo and a["correct"] != want_grpo][:n]
         examples += [{"kind": kind, "sft": a, "grpo": b} for a, b in chosen]
-    return {"stages": stages, "diff": diff, "examples": examples, "plots": [t for t, _ in dvc_plots(root)]}
+    from .card import SEEDS, read_seeds
+
+    seeds = read_seeds(root / SEEDS)  # None until `make seeds` has run
+    return {
+        "stages": stages,
+        "diff": diff,
+        "examples": examples,
+        "plots": [t for t, _ in dvc_plots(root)],
+        "seeds": seeds,
+        "seed_rows": seed_rows(seeds),
+    }
+
+
+def seed_rows(seeds: dict | None) -> list[dict]:
+    """The table rows of the seed spread: stage, accuracy and tool use as 'mean ± sd (min – max)'."""
+    if not seeds:
+        return []
+
+    def cell(s: dict | None) -> str:
+        if not s:
+            return "–"
+        sd = "" if s.get("sd") is None else f" ± {100 * s['sd']:.1f}"
+        return f"{100 * s['mean']:.1f}%{sd} ({100 * s['min']:.1f} – {100 * s['max']:.1f})"
+
+    return [
+        {"stage": stage, "accuracy": cell(f.get("accuracy")), "tool_use": cell(f.get("tool_use_rate"))}
+        for stage, f in seeds["stages"].items()
+    ]
 
 
 def accuracy_figure(stages: list[dict]):
@@ -155,6 +182,22 @@ experiments.</p>
 </table>
 <p>Accuracy intervals: metrics/eval_&lt;stage&gt;.json; GRPO − SFT: paired bootstrap CI and exact McNemar test on
 the same problems (metrics/compare.json).</p>
+<h2 id="seeds">Over seeds</h2>
+{%- if seeds %}
+<p>The table above is one run. Over {{ seeds.seeds | length }} seeds ({{ seeds.seeds | join(", ") }}; docs/seeds.json,
+<code>make seeds</code>), each a whole pipeline run with its own problems: mean ± sample sd (min – max).</p>
+<table id="seed-spread"><tr><th>stage</th><th>accuracy</th><th>tool use</th></tr>
+{%- for r in seed_rows %}
+<tr><td>{{ r.stage }}</td><td>{{ r.accuracy }}</td><td>{{ r.tool_use }}</td></tr>
+{%- endfor %}
+</table>
+<p>GRPO − SFT over the seeds: mean {{ signed(seeds.grpo_minus_sft.mean) }}, min {{ signed(seeds.grpo_minus_sft.min) }},
+max {{ signed(seeds.grpo_minus_sft.max) }}; pooled: {{ seeds.pooled.gained }} problems gained, {{ seeds.pooled.lost }}
+lost of {{ seeds.pooled.problems }}, exact McNemar p = {{ "%.2g" | format(seeds.pooled.p_value) }}.</p>
+{%- else %}
+<p>No seed spread recorded: the figures above are one run. <code>make seeds N=3</code> runs the pipeline over
+three seeds and writes docs/seeds.json, which this report then shows here.</p>
+{%- endif %}
 <h2>Example completions</h2>
 {%- for e in examples %}
 <h3>{{ e.kind }}: {{ e.sft.question }} (answer {{ e.sft.ground_truth }})</h3>

@@ -1,0 +1,247 @@
+#!/usr/bin/env python
+"""`make seeds N=3`: the pipeline over N seeds as DVC experiments, and the spread of its headline figures.
+
+    python scripts/seeds.py -n 3 [--first 42] [--jobs 1]
+
+Queues `dvc exp run --queue -S seed=K --name seed-K` for K = first .. first+N-1 (default first: params.yaml's
+seed, so the committed run is one of them and comes from DVC's run cache), runs the queue (`dvc exp run
+--run-all -j JOBS`; stages whose inputs a seed does not change are reused from the cache), then reads each
+experiment's metrics with `dvc.api` and writes the aggregate:
+
+- docs/seeds.json: per stage (base, sft, grpo, merged, merged_int8) mean, sample sd, min and max of accuracy and
+  tool use over the seeds; the paired GRPO - SFT test of each seed (metrics/compare.json: difference, exact
+  McNemar p, problems gained and lost) and pooled over the seeds (exact McNemar on all the discordant pairs);
+- docs/seeds.md: the same as tables; and the README's block between the `seeds:start` / `seeds:end` markers.
+
+`seed` reaches every stage (the synthetic problems, the tiny model's initialisation, SFT, GRPO sampling), so each
+seed also draws its own held-out problems: the spread is over the whole pipeline. Experiments named seed-K that
+already succeeded on this commit are reused, not re-run. The model card (`card` stage, which reads
+docs/seeds.json) and `make report` show the spread next to the committed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+OUT_JSON = Path("docs/seeds.json")
+OUT_MD = Path("docs/seeds.md")
+README = Path("README.md")
+MARKERS = ("<!-- seeds:start -->", "<!-- seeds:end -->")
+# stage -> its evaluation metrics file; the figures aggregated per stage
+STAGES = {
+    "base": "metrics/eval_base.json",
+    "sft": "metrics/eval_sft.json",
+    "grpo": "metrics/eval_grpo.json",
+    "merged": "metrics/eval_merged.json",
+    "merged_int8": "metrics/eval_merged_int8.json",
+}
+FIGURES = ("accuracy", "tool_use_rate")
+COMPARE = "metrics/compare.json"
+COMPARE_DETAILS = "diagnostics/compare.json"  # grpo_vs_sft: only_before_correct / only_after_correct / n
+
+
+def dvc(*args: str, capture: bool = True) -> str:
+    cmd = ["dvc", *args]
+    print("+", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, text=True, capture_output=capture)
+    if r.returncode:
+        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{(r.stdout or '')[-2000:]}{r.stderr or ''}")
+    return r.stdout or ""
+
+
+def experiment_states() -> dict[str, str]:
+    """Experiment name -> state (Success, Queued, Failed, ...) of the experiments on this commit."""
+    import dvc.api
+
+    return {r["Experiment"]: r["State"] for r in dvc.api.exp_show() if r.get("Experiment")}
+
+
+def queue_and_run(seeds: list[int], jobs: int) -> None:
+    states = experiment_states()
+    for k in seeds:
+        name = f"seed-{k}"
+        if states.get(name) == "Success":
+            print(f"{name}: already run on this commit, reused")
+            continue
+        if name in states:  # failed or left queued by an interrupted run: queue it afresh
+            dvc("exp", "remove", name)
+        dvc("exp", "run", "--queue", "-S", f"seed={k}", "--name", name)
+    dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
+
+
+def _metrics(path: str, rev: str) -> dict:
+    import dvc.api
+
+    found = dvc.api.metrics_show(path, rev=rev)
+    if not isinstance(found, dict) or not found:
+        raise ValueError(f"experiment {rev}: {path} missing (see `dvc queue logs {rev}`)")
+    return found
+
+
+def collect(seeds: list[int]) -> list[dict]:
+    """Each seed's figures from its experiment: accuracy and tool use per stage, the paired GRPO - SFT test."""
+    states = experiment_states()
+    failed = [f"seed-{k} ({states.get(f'seed-{k}', 'missing')})" for k in seeds if states.get(f"seed-{k}") != "Success"]
+    if failed:
+        sys.exit(f"seeds: experiments did not succeed: {', '.join(failed)}; see `dvc queue logs <name>`")
+    runs = []
+    for k in seeds:
+        name = f"seed-{k}"
+        stages = {}
+        for stage, path in STAGES.items():
+            m = _metrics(path, name)
+            stages[stage] = {f: m.get(f) for f in FIGURES}
+        cmp = _metrics(COMPARE, name)
+        paired = _metrics(COMPARE_DETAILS, name).get("grpo_vs_sft")
+        if not paired:
+            raise ValueError(f"experiment {name}: {COMPARE_DETAILS} has no grpo_vs_sft (rerun the compare stage)")
+        runs.append(
+            {
+                "seed": k,
+                "experiment": name,
+                "stages": stages,
+                "grpo_minus_sft": cmp["grpo_minus_sft"],
+                "ci95": cmp["ci95"],
+                "p_value": cmp["p_value"],
+                "gained": paired["only_after_correct"],
+                "lost": paired["only_before_correct"],
+                "n": paired["n"],
+            }
+        )
+    return runs
+
+
+def spread(values: list) -> dict | None:
+    """mean, sample sd (None for one value), min, max of the numbers among `values` (None when there are none)."""
+    xs = [v for v in values if isinstance(v, (int, float))]
+    if not xs:
+        return None
+    return {
+        "mean": statistics.fmean(xs),
+        "sd": statistics.stdev(xs) if len(xs) > 1 else None,
+        "min": min(xs),
+        "max": max(xs),
+        "n": len(xs),
+    }
+
+
+def aggregate(runs: list[dict]) -> dict:
+    from agentrl.compare import mcnemar_exact
+
+    gained, lost = sum(r["gained"] for r in runs), sum(r["lost"] for r in runs)
+    return {
+        "seeds": [r["seed"] for r in runs],
+        "stages": {stage: {f: spread([r["stages"][stage][f] for r in runs]) for f in FIGURES} for stage in STAGES},
+        "grpo_minus_sft": spread([r["grpo_minus_sft"] for r in runs]),
+        "paired_per_seed": [
+            {k: r[k] for k in ("seed", "grpo_minus_sft", "ci95", "p_value", "gained", "lost", "n")} for r in runs
+        ],
+        "pooled": {
+            "test": "exact McNemar on the discordant pairs of all seeds together",
+            "problems": sum(r["n"] for r in runs),
+            "gained": gained,
+            "lost": lost,
+            "difference": (gained - lost) / max(1, sum(r["n"] for r in runs)),
+            "p_value": mcnemar_exact(lost, gained),
+        },
+        "runs": runs,
+    }
+
+
+def _pct(s: dict | None) -> str:
+    if s is None:
+        return "–"
+    sd = "" if s["sd"] is None else f" ± {100 * s['sd']:.1f}"
+    return f"{100 * s['mean']:.1f}%{sd} ({100 * s['min']:.1f}–{100 * s['max']:.1f})"
+
+
+def markdown(agg: dict) -> str:
+    """The spread as markdown: per stage mean ± sd (min–max), then the paired test per seed and pooled."""
+    seeds = ", ".join(map(str, agg["seeds"]))
+    lines = [
+        f"Over {len(agg['seeds'])} seeds ({seeds}; `make seeds`, docs/seeds.json): mean ± sample sd (min–max).",
+        "",
+        "| model | accuracy | tool use |",
+        "|---|---|---|",
+    ]
+    for stage, figs in agg["stages"].items():
+        lines.append(f"| {stage} | {_pct(figs['accuracy'])} | {_pct(figs['tool_use_rate'])} |")
+    d, pooled = agg["grpo_minus_sft"], agg["pooled"]
+    sd = "" if d["sd"] is None else f" ± {100 * d['sd']:.1f}"
+    lines += [
+        "",
+        f"GRPO − SFT: {100 * d['mean']:+.1f}{sd} points (min {100 * d['min']:+.1f}, max {100 * d['max']:+.1f}); "
+        f"pooled over the seeds: {pooled['gained']} problems gained, {pooled['lost']} lost of {pooled['problems']}, "
+        f"exact McNemar p = {pooled['p_value']:.2g}.",
+        "",
+        "| seed | GRPO − SFT (points) | paired 95% CI | exact McNemar p | gained / lost |",
+        "|---|---|---|---|---|",
+    ]
+    for r in agg["paired_per_seed"]:
+        lines.append(
+            f"| {r['seed']} | {100 * r['grpo_minus_sft']:+.1f} | {100 * r['ci95'][0]:+.1f} … {100 * r['ci95'][1]:+.1f} "
+            f"| {r['p_value']:.2g} | {r['gained']} / {r['lost']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(text: str, path: Path = README) -> bool:
+    """Replace the block between the README's seeds markers with `text`; False when the markers are absent."""
+    if not path.is_file():
+        return False
+    readme = path.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(MARKERS[0]) + r".*?" + re.escape(MARKERS[1]), re.S)
+    if not pattern.search(readme):
+        return False
+    path.write_text(pattern.sub(lambda _: f"{MARKERS[0]}\n{text}{MARKERS[1]}", readme), encoding="utf-8")
+    return True
+
+
+def write(agg: dict, seconds: float) -> None:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    OUT_JSON.parent.mkdir(parents=True, exist_ok=True)
+    OUT_JSON.write_text(json.dumps({**agg, "commit": commit, "seconds": round(seconds, 1)}, indent=2) + "\n")
+    md = markdown(agg)
+    OUT_MD.write_text("# Seed spread of the default pipeline\n\n" + md)
+    readme = update_readme(md)
+    print(md)
+    print(f"wrote {OUT_JSON}, {OUT_MD}" + (f" and {README}'s seeds block" if readme else ""))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=3, help="number of seeds")
+    ap.add_argument("--first", type=int, default=None, help="first seed (default: params.yaml's seed)")
+    ap.add_argument("--jobs", type=int, default=1, help="experiments run at a time by the DVC queue")
+    ap.add_argument("--no-run", action="store_true", help="only aggregate the seed-K experiments already run")
+    a = ap.parse_args(argv)
+    if a.n < 1 or a.jobs < 1:
+        sys.exit(f"seeds: -n and --jobs must be at least 1 (got -n {a.n}, --jobs {a.jobs})")
+    if a.first is None:
+        from agentrl.config import load_params
+
+        a.first = load_params().seed
+    seeds = list(range(a.first, a.first + a.n))
+    started = time.time()
+    if not a.no_run:
+        queue_and_run(seeds, a.jobs)
+    agg = aggregate(collect(seeds))
+    write(agg, time.time() - started)
+    if Path("dvc.yaml").is_file() and "card" in (yaml.safe_load(Path("dvc.yaml").read_text()).get("stages") or {}):
+        dvc("repro", "card", capture=False)  # the model card shows the spread (docs/seeds.json is a dep of card)
+
+
+if __name__ == "__main__":
+    main()
