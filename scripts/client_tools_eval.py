@@ -92,16 +92,13 @@ async def run(base: str, tok, rows: list[dict], budget: int, max_calls: int, con
 
     api = AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(concurrency)
-    transcript: list = []
 
     async def one(i: int, row: dict):
         async with sem:
-            record = [] if i == 0 else None
+            record: list = []
             c = await client_side(api, tok, row["prompt"], budget, max_calls, record)
             s = await server_side(api, row["prompt"], budget)
-            if record is not None:
-                transcript.extend(record)
-            return c, s
+            return {**c, "record": record}, s
 
     t0 = time.perf_counter()
     pairs = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
@@ -110,6 +107,7 @@ async def run(base: str, tok, rows: list[dict], budget: int, max_calls: int, con
     ok_c = [answers_match(extract_answer(c["text"]), t) for (c, _), t in zip(pairs, truth)]
     ok_s = [answers_match(extract_answer(s["text"]), t) for (_, s), t in zip(pairs, truth)]
     n = len(rows)
+    shown = next((k for k, (c, _) in enumerate(pairs) if c["calls"]), 0)  # the first problem with a call
     return {
         "problems": n,
         "client_side_accuracy": sum(ok_c) / n,
@@ -125,8 +123,13 @@ async def run(base: str, tok, rows: list[dict], budget: int, max_calls: int, con
         "client_requests": sum(c["turns"] for c, _ in pairs),
         "max_tokens": budget,
         "wall_s": round(wall, 1),
-        "transcript": transcript,
-        "first_problem": {"question": rows[0].get("question"), "ground_truth": rows[0]["ground_truth"]},
+        "transcript": pairs[shown][0]["record"],
+        "transcript_problem": {
+            "id": rows[shown].get("id"),
+            "ground_truth": rows[shown]["ground_truth"],
+            "client_right": ok_c[shown],
+            "server_side_text": pairs[shown][1]["text"],
+        },
         "differing": [
             {"id": r.get("id"), "client": c["text"], "server": s["text"]}
             for r, (c, s) in zip(rows, pairs)
