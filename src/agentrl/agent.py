@@ -271,19 +271,21 @@ def generate_with_tools(
                 if reason == "hook":
                     roll.finish_reason = "stop"
                     continue
-                call = None
+                calls = []
                 if fmt is not None and reason in ("call", "eos"):
                     body = roll.completion_ids[:-1] if reason == "eos" else roll.completion_ids
-                    call = fmt.open_call(tokenizer.decode(body, skip_special_tokens=False), at_eos=(reason == "eos"))
-                if call is not None:
-                    if len(roll.calls) >= toolset.max_calls:
+                    calls = fmt.open_calls(tokenizer.decode(body, skip_special_tokens=False), at_eos=(reason == "eos"))
+                if calls:  # chat: every call of the turn, in order, as TRL's loop runs them
+                    if len(roll.calls) + len(calls) > toolset.max_calls:
                         roll.finish_reason = "tool_limit"
                         continue
-                    result, ok = roll.episode.run(call)
-                    roll.calls.append(
-                        {"name": call.name or toolset.names[0], "arguments": call.arguments, "result": result, "ok": ok}
-                    )
-                    ins = _encode(tokenizer, fmt.render_result(result))
+                    results = []
+                    for call in calls:
+                        result, ok = roll.episode.run(call)
+                        name = call.name or toolset.names[0]
+                        roll.calls.append({"name": name, "arguments": call.arguments, "result": result, "ok": ok})
+                        results.append(result)
+                    ins = _encode(tokenizer, fmt.render_results(results))
                     ins = ins[: limit[a] - roll.num_tokens]
                     roll.completion_ids += ins
                     roll.env_mask += [0] * len(ins)

@@ -18,7 +18,9 @@ def _text(completion) -> str:
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list):  # conversational: [{"role": "assistant", "content": ...}]
-        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+        # TRL's tool loop gives assistant, tool, assistant, ... messages: one per line, so a final `####` line of the
+        # last assistant turn stays a line of its own (countdown.correct reads lines)
+        return "\n".join(m.get("content", "") for m in completion if isinstance(m, dict))
     if isinstance(completion, dict):
         return completion.get("content", "")
     return str(completion)

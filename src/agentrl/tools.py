@@ -152,8 +152,15 @@ class InlineFormat:
             return None
         return Call("", {"expression": inside[: inside.index("=")]})
 
+    def open_calls(self, text: str, at_eos: bool = False) -> list[Call]:
+        call = self.open_call(text, at_eos)
+        return [call] if call is not None else []
+
     def render_result(self, result: str) -> str:
         return f"{result}>>"
+
+    def render_results(self, results: list[str]) -> str:
+        return "".join(self.render_result(r) for r in results)
 
     def render_call(self, call: Call) -> str:
         return f"<<{next(iter(call.arguments.values()))}="
@@ -171,10 +178,20 @@ class ChatFormat:
         self.eos_token = eos_token
 
     def open_call(self, text: str, at_eos: bool = False) -> Optional[Call]:
+        calls = self.open_calls(text, at_eos)
+        return calls[-1] if calls else None
+
+    def open_calls(self, text: str, at_eos: bool = False) -> list[Call]:
+        """Every call of the assistant turn that just ended: Qwen3 writes parallel calls as consecutive
+        `<tool_call>` blocks, and TRL's loop runs them all, in order (their results come back in one user turn)."""
         t = text.rstrip()
-        if not at_eos or not t.endswith("</tool_call>") or "<tool_call>" not in t:
-            return None
-        body = t[t.rfind("<tool_call>") + len("<tool_call>") : -len("</tool_call>")].strip()
+        if not at_eos or not t.endswith("</tool_call>"):
+            return []
+        turn = t.rpartition("<|im_start|>assistant\n")[2]
+        return [self._parse(body.strip()) for body in re.findall(r"<tool_call>(.*?)</tool_call>", turn, flags=re.S)]
+
+    @staticmethod
+    def _parse(body: str) -> Call:
         try:
             payload = json.loads(body)
             name, arguments = payload["name"], payload.get("arguments", {})
@@ -187,9 +204,13 @@ class ChatFormat:
         return Call(name, arguments)
 
     def render_result(self, result: str) -> str:
-        return (
-            f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>{self.eos_token}\n<|im_start|>assistant\n"
-        )
+        return self.render_results([result])
+
+    def render_results(self, results: list[str]) -> str:
+        """The tool turn after a call turn: one user turn with a `<tool_response>` per result, as Qwen3's template
+        renders consecutive tool messages (and TRL's loop appends them)."""
+        body = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results)
+        return f"\n<|im_start|>user{body}{self.eos_token}\n<|im_start|>assistant\n"
 
     def render_call(self, call: Call) -> str:
         body = json.dumps({"name": call.name or "calculator", "arguments": call.arguments})  # as Qwen3 renders it
@@ -316,7 +337,7 @@ class Episode:
         self.broken: Optional[str] = None
         try:
             self.env = toolset.factory()
-            obs = self.env.reset(**(row or {}))
+            obs = _run_with_timeout(self.env.reset, dict(row or {}), toolset.timeout_s)  # a hung reset is an error too
             self.observation = None if obs is None else str(obs)
         except Exception as e:  # noqa: BLE001 - an environment's failure is data, never a crash
             self.env, self.broken = None, f"environment reset failed: {type(e).__name__}: {str(e)[:80]}"

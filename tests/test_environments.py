@@ -1,0 +1,495 @@
+"""Environments in the tool loop (issue 29): hostile environments, episode isolation, SFT/loop token equality,
+environment-judged evaluation and rewards, prepare, and the config errors. The environments themselves (checker,
+solver, generator) are tested in test_env_countdown.py / test_env_gridworld.py; parity with TRL's own loop in
+test_env_parity.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from agentrl.agent import Rollout, generate_with_tools, sft_features, tokenize_trace
+from agentrl.data import messages
+from agentrl.envs import countdown, gridworld
+from agentrl.tools import Call, Toolset, split_annotated
+from conftest import mini_params, tiny_lm
+
+HERE = __name__  # environments defined below are named "<this module>:Class", as agent.environment names them
+RELEASE = threading.Event()  # lets a hung tool (or reset) return once the test is over
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matrices are a few dozen wide: with the portable mode's 2 intra-op threads on a loaded
+    2-core machine each matmul waits on the other thread (measured: 11 ms vs 0.03 ms per 32x64 linear)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+    RELEASE.set()
+
+
+# ----------------------------------------------------------------------------------- environments under test
+class Hostile:
+    """One tool whose answer the argument picks: junk, an exception or a hang."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def act(self, kind: str) -> str:
+        """Do something.
+
+        Args:
+            kind: what to answer.
+        """
+        if kind == "none":
+            return None
+        if kind == "dict":
+            return {"a": [1, 2], "b": None}
+        if kind == "huge":
+            return "x" * 1_000_000
+        if kind == "markers":
+            return "a>>b<<c"
+        if kind == "raise":
+            raise RuntimeError("boom")
+        if kind == "hang":
+            RELEASE.wait(30)
+            return "late"
+        return kind
+
+
+class BadReset:
+    def reset(self, **row) -> None:
+        raise ValueError(f"bad row {row.get('id')}")
+
+    def act(self, kind: str) -> str:
+        """Do something.
+
+        Args:
+            kind: what to answer.
+        """
+        return kind
+
+
+class HangingReset(BadReset):
+    def reset(self, **row) -> None:
+        RELEASE.wait(5)
+
+
+class Tally:
+    """A sloppy stateful environment: `reset` records the row but never clears the counter, so any instance shared
+    between two completions (rows, samples or batches) shows up as a count that does not start at 1."""
+
+    def __init__(self):
+        self.n = 0
+        self.who = None
+
+    def reset(self, **row) -> None:
+        self.who = row.get("id")
+
+    def tick(self, note: str) -> str:
+        """Count a call.
+
+        Args:
+            note: anything.
+        """
+        self.n += 1
+        return f"{self.who}:{self.n}"
+
+
+# ----------------------------------------------------------------------------------- a tiny model, forced
+@pytest.fixture(scope="module")
+def tiny():
+    from trl.chat_template_utils import qwen3_chat_template
+
+    """(tokenizer, model, Qwen3's chat template): one tiny model for both formats (the chat tests swap the template
+    in and back); a context long enough for the chat format's tool-described prompts."""
+    texts = [r["question"] + r["answer"] for r in env_rows("countdown", 20, 0) + env_rows("gridworld", 20, 0)]
+    tok, model = tiny_lm(texts * 3, 400, max_position_embeddings=2048)
+    model.eval()
+    return tok, model, qwen3_chat_template
+
+
+def prompt_of(question: str) -> list[dict]:
+    return messages("", question)
+
+
+class Pieces(LogitsProcessor):
+    """Inline format: the row whose prompt contains `scripts[i][0]` writes `scripts[i][1][k]` after its k-th tool
+    result (`>>`), token by token as the tokenizer splits the piece, then eos after the last piece. Read from the
+    row's own text, so rows are forced alike however the loop batches, pauses and resumes them."""
+
+    def __init__(self, tok, scripts: list[tuple[str, list[str]]]):
+        self.tok, self.scripts = tok, []
+        for key, pieces in scripts:
+            ids = [tok(p, add_special_tokens=False)["input_ids"] for p in pieces]
+            self.scripts.append((key, [(i, [tok.decode(i[:j]) for j in range(len(i) + 1)]) for i in ids]))
+
+    def __call__(self, input_ids, scores):
+        for r in range(input_ids.shape[0]):
+            text = self.tok.decode([t for t in input_ids[r].tolist() if t != self.tok.pad_token_id])
+            prompt, _, comp = text.rpartition("<|im_start|>assistant\n")
+            pieces = next(p for key, p in self.scripts if key in prompt)
+            k, tail = comp.count(">>"), comp.rpartition(">>")[2]
+            want = self.tok.eos_token_id
+            if k < len(pieces):
+                ids, prefixes = pieces[k]
+                j = prefixes.index(tail) if tail in prefixes else len(ids)
+                want = ids[j] if j < len(ids) else want
+            scores[r, :] = -1e9
+            scores[r, want] = 0
+        return scores
+
+
+def run_inline(tiny, toolset, scripts, rows=None, num_samples=1, budget=400, batch_size=8):
+    tok, model, _ = tiny
+    prompts = [prompt_of(q) for q, _ in scripts]
+    lp = LogitsProcessorList([Pieces(tok, scripts)])
+    out = generate_with_tools(
+        model, tok, prompts, toolset, budget, batch_size=batch_size, num_samples=num_samples, rows=rows,
+        logits_processor=lp,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------- 2. robustness
+def test_hostile_environment_never_stops_the_loop_and_each_failure_is_a_counted_result(tiny):
+    ts = Toolset(None, "inline", max_calls=8, environment=f"{HERE}:Hostile", timeout_s=0.5)
+    kinds = ["none", "dict", "huge", "markers", "raise", "hang", "ok"]
+    scripts = [
+        ("Q hostile", [f"<<{k}=" for k in kinds] + ["\n#### 1"]),
+        ("Q calm", ["<<fine=", "<<fine=", "\n#### 2"]),  # same batch: its episode is its own
+    ]
+    out = run_inline(tiny, ts, scripts, budget=600)
+    hostile, calm = out[0][0], out[1][0]
+    results = [c["result"] for c in hostile.calls]
+    assert [c["arguments"] for c in hostile.calls] == [{"expression": k} for k in kinds]
+    assert results[0] == "null"  # None: a JSON rendering, never the string 'None' pretending to be an answer
+    assert json.loads(results[1]) == {"a": [1, 2], "b": None}
+    assert results[2] == "x" * ts.max_result_chars  # 1 MB truncated before it reaches the tokenizer
+    assert results[3] == "a> >b< <c"  # cannot close the call or open another one
+    assert results[4] == "error: RuntimeError: boom"
+    assert results[5].startswith("error: tool 'act' timed out (no answer within 0.5 s)")
+    assert results[6].startswith("error: tool 'act' timed out")  # the episode's environment is abandoned
+    assert [c["ok"] for c in hostile.calls] == [True, True, True, True, False, False, False]
+    assert hostile.tool_errors == 3 and hostile.finish_reason == "stop" and hostile.text.endswith("#### 1")
+    # the other row kept going, on its own environment (a fresh thread serves calls after the hang)
+    assert [(c["result"], c["ok"]) for c in calm.calls] == [("fine", True)] * 2 and calm.text.endswith("#### 2")
+    # the loop's tokens are what it reported: every result (sanitised) is in the completion, masked out
+    tok = tiny[0]
+    inserted = tok.decode([t for t, m in zip(hostile.completion_ids, hostile.env_mask) if m == 0])
+    assert inserted == "".join(f"{r}>>" for r in results)
+
+
+@pytest.mark.parametrize("cls", ["BadReset", "HangingReset"])
+def test_environment_whose_reset_raises_or_hangs_gives_error_results(tiny, cls):
+    ts = Toolset(None, "inline", max_calls=4, environment=f"{HERE}:{cls}", timeout_s=0.5)
+    scripts = [("Q one", ["<<a=", "<<b=", "\n#### 1"]), ("Q two", ["<<c=", "\n#### 2"])]
+    out = run_inline(tiny, ts, scripts, rows=[{"id": "r1"}, {"id": "r2"}])
+    want = "error: environment reset failed: " + (
+        "ValueError: bad row" if cls == "BadReset" else "TimeoutError: no answer within 0.5 s"
+    )
+    for (r,), n in zip(out, (2, 1)):
+        assert len(r.calls) == n and r.tool_errors == n and r.finish_reason == "stop"
+        assert all(c["result"].startswith(want) and not c["ok"] for c in r.calls), r.calls
+
+
+def test_episode_run_turns_every_bad_call_into_an_error_result():
+    """The chat format's ways to call wrongly: unknown tool, malformed JSON, wrong argument, oversized argument."""
+    ts = Toolset(None, "chat", environment=f"{HERE}:Hostile", timeout_s=0.5)
+    ep = ts.episode({})
+    assert ep.run(Call("nope", {})) == ("error: unknown tool 'nope'; available: act", False)
+    assert ts.format.open_call('<tool_call>\n{"name": "act", "arguments": [1]}\n</tool_call>', at_eos=True).name == (
+        "<invalid>"
+    )
+    out, ok = ep.run(ts.format.open_call("<tool_call>\n{not json}\n</tool_call>", at_eos=True))
+    assert not ok and out.startswith("error: invalid tool call")
+    out, ok = ep.run(Call("act", {"kind": "x", "extra": 1}))
+    assert not ok and out.startswith("error: TypeError") and "extra" in out
+    out, ok = ep.run(Call("act", {"kind": "k" * 5000}))
+    assert (out, ok) == (f"error: argument longer than {ts.max_expression_chars} characters", False)
+    assert ep.run(Call("act", {"kind": "markers"})) == ("a>>b<<c", True)  # chat results need no inline escaping
+
+
+# ----------------------------------------------------------------------------------- 3. episode isolation
+def test_each_completion_and_each_row_gets_its_own_gridworld(tiny):
+    """Two samples of one prompt and two prompts in one batch: the same forced moves in every completion; each
+    sees exactly what a fresh environment of its own answers (a shared agent would be moved twice as far)."""
+    ts = Toolset(None, "inline", max_calls=8, environment="gridworld", env_kwargs={"slip_prob": 0.0})
+    a = {"id": "a", "grid": ["S...", "....", "....", "...G"], "start": [0, 0], "goal": [3, 3], "seed": 1}
+    b = {"id": "b", "grid": ["...S", "....", ".O..", "G..."], "start": [0, 3], "goal": [3, 0], "seed": 2}
+    moves = {"a": ["right", "right", "down"], "b": ["down", "left", "left"]}
+    scripts = [(gridworld.question(r["grid"]), [f"<<{m}=" for m in moves[r["id"]]] + ["\n#### goal"]) for r in (a, b)]
+    out = run_inline(tiny, ts, scripts, rows=[a, b], num_samples=2)
+
+    def solo(row):
+        env = gridworld.GridWorld(slip_prob=0.0)
+        env.reset(**row)
+        return [env.move(m) for m in moves[row["id"]]]
+
+    assert solo(a) == ["0 1", "0 2", "1 2"] and solo(b) == ["1 3", "1 2", "1 1"]
+    for row, rolls in zip((a, b), out):
+        assert len(rolls) == 2
+        for roll in rolls:
+            assert [c["result"] for c in roll.calls] == solo(row)
+            assert roll.episode.env.position == [int(x) for x in solo(row)[-1].split()]
+    envs = [roll.episode.env for rolls in out for roll in rolls]
+    assert len({id(e) for e in envs}) == 4
+
+
+def test_no_state_crosses_rows_samples_or_batches(tiny):
+    ts = Toolset(None, "inline", max_calls=4, environment=f"{HERE}:Tally")
+    scripts = [("Q first", ["<<x=", "<<y=", "\n#### 1"]), ("Q second", ["<<z=", "\n#### 2"])]
+    rows = [{"id": "A"}, {"id": "B"}]
+    for _ in range(2):  # a second batch starts from fresh instances too
+        out = run_inline(tiny, ts, scripts, rows=rows, num_samples=2)
+        for rolls, (who, n) in zip(out, (("A", 2), ("B", 1))):
+            for roll in rolls:
+                assert [c["result"] for c in roll.calls] == [f"{who}:{i}" for i in range(1, n + 1)]
+
+
+# ----------------------------------------------------------------------------------- 4. integration
+class Ids(LogitsProcessor):
+    """Forces each row to write `expected[k]` (prompt k identified by its ids); tool tokens come from the loop, so any
+    difference between what the environment answers in the loop and in the SFT features shifts the script."""
+
+    def __init__(self, tok, traces: list[dict]):
+        self.tok, self.traces = tok, traces
+
+    def __call__(self, input_ids, scores):
+        for r in range(input_ids.shape[0]):
+            row = [t for t in input_ids[r].tolist() if t != self.tok.pad_token_id]
+            t = next(t for t in self.traces if row[: len(t["prompt_ids"])] == t["prompt_ids"])
+            pos = len(row) - len(t["prompt_ids"])
+            want = t["completion_ids"][pos] if pos < len(t["completion_ids"]) else self.tok.eos_token_id
+            scores[r, :] = -1e9
+            scores[r, want] = 0
+        return scores
+
+
+def env_rows(name: str, n: int, seed: int) -> list[dict]:
+    import random
+
+    rows = {"countdown": countdown, "gridworld": gridworld}[name].make_rows(n, random.Random(seed), "train")
+    return [{**r, "id": f"{name}-{i}"} for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("name,fmt", [("countdown", "inline"), ("gridworld", "inline"), ("countdown", "chat")])
+def test_sft_features_equal_the_loop_tokens_for_the_same_demo(tiny, name, fmt):
+    """A demonstration replayed through the environment for SFT (agent.sft_features) is token for token what the loop
+    produces when the policy writes the demo's own text: same ids, and the environment's answers masked."""
+    tok, model, qwen3 = tiny
+    saved = tok.chat_template
+    if fmt == "chat":
+        tok.chat_template = qwen3
+    try:
+        ts = Toolset(None, fmt, max_calls=12, environment=name, eos_token=tok.eos_token)
+        rows = env_rows(name, 3, seed=5)
+        if name == "countdown":
+            assert any(r["demo_failed_tries"] for r in rows)  # a demo with a failed try, then the fix
+        prompts = [prompt_of(r["question"]) for r in rows]
+        feats = [sft_features(tok, p, r["answer"], ts, r) for p, r in zip(prompts, rows)]
+        kw = ts.chat_template_kwargs()
+        traces = []
+        for p, r in zip(prompts, rows):
+            segs = split_annotated(r["answer"], fmt, tok.eos_token, ts.episode(r))
+            traces.append(tokenize_trace(tok, p, segs, chat_template_kwargs=kw))
+        lp = LogitsProcessorList([Ids(tok, traces)])
+        out = generate_with_tools(
+            model, tok, prompts, ts, 600, batch_size=8, rows=rows, chat_template_kwargs=kw, logits_processor=lp
+        )
+        for f, t, (roll,), r in zip(feats, traces, out, rows):
+            assert roll.prompt_ids == t["prompt_ids"]
+            assert roll.completion_ids == t["completion_ids"] and roll.env_mask == t["env_mask"]
+            assert f["input_ids"] == roll.prompt_ids + roll.completion_ids
+            assert f["completion_mask"] == [0] * len(roll.prompt_ids) + roll.env_mask
+            assert roll.finish_reason == "stop" and len(roll.calls) == r["answer"].count("<<")
+            assert all(c["ok"] for c in roll.calls)
+            assert 0 in roll.env_mask
+            # the demo's annotated results are what the environment answers (the loop ran the same episode)
+            assert [c["result"] for c in roll.calls] == [a.split("=", 1)[1] for a in _annotations(r["answer"])]
+    finally:
+        tok.chat_template = saved
+
+
+def _annotations(answer: str) -> list[str]:
+    import re
+
+    return re.findall(r"<<([^<>]*)>>", answer)
+
+
+def _rollout(ts, row: dict, calls: list[str], text: str) -> Rollout:
+    """A finished rollout whose episode ran `calls` through the environment (no model needed to score)."""
+    ep = ts.episode(row)
+    roll = Rollout(prompt_ids=[], text=text, finish_reason="stop", episode=ep)
+    for arg in calls:
+        result, ok = ep.run(Call("", {"expression": arg}))
+        roll.calls.append({"name": ts.default_tool, "arguments": {"expression": arg}, "result": result, "ok": ok})
+    return roll
+
+
+def test_score_judges_countdown_by_its_checker_and_reports_recovery():
+    from agentrl.evaluate import score
+
+    ts = Toolset(None, "inline", environment="countdown")
+    row = {"id": "c", "question": "q", "numbers": [3, 5, 3], "target": 24, "ground_truth": "24"}
+    cases = [  # (calls, completion text, solved)
+        (["3*5+3", "(3+5)*3"], "<<...>>\n#### (3+5)*3", True),  # recovered from a failed try
+        (["(3+5)*3"], "#### (3+5)*3", True),  # first try
+        (["(3+5)*3"], "#### 24", False),  # the target's number is not a legal expression
+        (["3*5+3"], "#### 3*5+3", False),  # legal, off target
+        ([], "#### (5+3)*3 ", True),  # no call needed: the answer line decides
+    ]
+    rows = [{**row, "id": f"c{i}"} for i in range(len(cases))]
+    rollouts = [[_rollout(ts, r, calls, text)] for r, (calls, text, _) in zip(rows, cases)]
+    samples = [[(text, 5)] for _, text, _ in cases]
+    m, preds = score(rows, samples, {"accuracy": 1.0, "format": 0.5}, mini_params()["grpo"]["reward_kwargs"], rollouts)
+    assert [p["correct"] for p in preds] == [c[2] for c in cases]
+    assert m["accuracy"] == 3 / 5
+    assert [p["reward"] for p in preds] == [1.5, 1.5, 0.5, 0.5, 1.5]  # accuracy from the checker, format: a #### line
+    assert [p["failed_tries"] for p in preds] == [1, 0, 0, 1, 0]
+    assert m["recovered_share"] == round(1 / 3, 4)  # 1 of the 3 solved episodes recovered from a failed try
+    assert m["mean_turns"] == 1.0 and m["failed_tries_per_episode"] == 0.4
+    assert preds[0]["extracted"] == "(3+5)*3"
+
+
+def test_score_judges_gridworld_by_the_environment_not_the_text():
+    from agentrl.evaluate import score
+
+    ts = Toolset(None, "inline", environment="gridworld", env_kwargs={"slip_prob": 0.0})
+    base = {"question": "q", "grid": ["S.", ".G"], "start": [0, 0], "goal": [1, 1], "seed": 0, "ground_truth": "goal"}
+    cases = [
+        (["right", "down"], "#### fail", True),  # reached the goal: solved whatever the text says
+        (["right"], "#### goal", False),  # claims the goal, is not there
+        (["up", "right", "down"], "#### goal", True),  # bumped a wall, then recovered
+    ]
+    rows = [{**base, "id": f"g{i}"} for i in range(len(cases))]
+    rollouts = [[_rollout(ts, r, calls, text)] for r, (calls, text, _) in zip(rows, cases)]
+    m, preds = score(rows, [[(t, 3)] for _, t, _ in cases], {"accuracy": 1.0}, {}, rollouts)
+    assert [p["correct"] for p in preds] == [True, False, True]
+    assert [p["reward"] for p in preds] == [1.0, 0.0, 1.0]
+    assert m["recovered_share"] == 0.5 and m["mean_turns"] == 2.0
+    assert preds[2]["tool_calls"][0] == {"expression": "up", "result": "0 0 wall", "ok": True}
+
+
+def test_rewards_read_solved_flags_and_trl_environments():
+    from agentrl import rewards
+
+    comps = ["#### (3+5)*3", "#### 24", "no answer line"]
+    assert rewards.accuracy(comps, ["24"] * 3, solved=[True, False, None]) == [1.0, 0.0, 0.0]
+    assert rewards.accuracy(["#### 24"], ["24"], solved=[None]) == [1.0]  # None: the ground truth decides
+    assert rewards.format(comps, solved=[True, False, False]) == [1.0, 1.0, 0.0]
+    # TRL's GRPOTrainer(environment_factory=...): `environments` + the dataset columns (the rows reset() saw); the
+    # completions are its tool loop's messages (assistant, tool, ..., assistant)
+    envs = [countdown.Countdown(), countdown.Countdown(), countdown.Countdown()]
+    cols = {"numbers": [[3, 5, 3]] * 3, "target": [24] * 3, "ground_truth": ["24"] * 3}
+    for e in envs:
+        e.reset(numbers=[3, 5, 3], target=24)
+    trl_comps = [
+        [
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "check"}}]},
+            {"role": "tool", "name": "check", "content": "24 yes"},
+            {"role": "assistant", "content": "#### (3+5)*3"},
+        ],
+        [{"role": "assistant", "content": "#### 24"}],
+        [{"role": "assistant", "content": "#### 3*5+3"}],
+    ]
+    assert rewards.env_solved(trl_comps, environments=envs, **cols) == [True, False, False]
+    assert rewards.accuracy(trl_comps, environments=envs, **cols) == [1.0, 0.0, 0.0]
+    assert rewards.format(trl_comps, environments=envs, **cols) == [1.0, 1.0, 1.0]
+    grid = gridworld.GridWorld(slip_prob=0.0)
+    grid.reset(grid=["SG"], start=[0, 0], goal=[0, 1], seed=0)
+    assert rewards.accuracy([[{"role": "assistant", "content": "#### ?"}]], ["goal"], environments=[grid]) == [0.0]
+    grid.move("right")
+    assert rewards.accuracy([[{"role": "assistant", "content": "#### ?"}]], ["goal"], environments=[grid]) == [1.0]
+
+
+def test_prepare_countdown_writes_rows_that_reset_the_environment(workdir):
+    from agentrl import prepare
+    from agentrl.config import validate_params
+    from agentrl.data import load_jsonl
+
+    p = mini_params()
+    p["agent"].update(tools=[], environment="countdown")
+    p["environments"]["countdown"].update(num_train=20, num_test=5)
+    m = prepare.prepare(validate_params(p))
+    sft, rl, test = (load_jsonl(f"data/prepared/{s}.jsonl") for s in ("sft_train", "rl_train", "test"))
+    assert m["written"] == {"sft_train": 20, "rl_train": 20, "test": 5} and m["source"] == "environment:countdown"
+    assert {countdown.instance_key(r) for r in test}.isdisjoint(countdown.instance_key(r) for r in sft)
+    ts = Toolset(None, "inline", environment="countdown")
+    for r in sft + rl + test:
+        ep = ts.episode(r)  # the row's env fields reset the environment (no error, no broken episode)
+        assert ep.broken is None and ep.env._numbers == r["numbers"] and ep.env._target == r["target"]
+        assert r["prompt"][-1]["content"].startswith(f"Make {r['target']} from ")
+    for r in sft:  # the demo's results are what a fresh episode of this row answers, and it ends solved
+        ep = ts.episode(r)
+        demo = r["completion"][0]["content"]
+        for a in _annotations(demo):
+            expr, _, result = a.partition("=")
+            assert ep.run(Call("", {"expression": expr})) == (result, True)
+        assert countdown.correct(r, demo, ep.env)
+    assert all(r["ground_truth"] == str(r["target"]) for r in rl + test)
+    assert m["demo_failed_try_share"] > 0
+
+
+def _params_error(change) -> str:
+    from agentrl.config import ParamsError, validate_params
+
+    p = mini_params()
+    change(p)
+    with pytest.raises(ParamsError) as e:
+        validate_params(p)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda p: p["agent"].update(environment="countdown"), r"agent\.environment and agent\.tools are both set"),
+        (lambda p: p["agent"].update(tools=[], environment="sokoban"), r"unknown environment 'sokoban'"),
+        (lambda p: p["environments"]["countdown"].update(num_numbrs=4), r"countdown\.num_numbrs: unknown knob"),
+        (lambda p: p["environments"]["gridworld"].update(size="4"), r"gridworld\.size: expected int, got '4'"),
+        (lambda p: p["environments"]["countdown"].update(use_all=1), r"countdown\.use_all: expected bool, got 1"),
+        (lambda p: p["environments"]["countdown"].pop("num_train"), r"countdown: missing num_train"),
+        (lambda p: p["environments"].update(sokoban={"num_train": 1, "num_test": 1}), r"unknown environment 'sokoban'"),
+    ],
+)
+def test_config_errors_name_the_field(change, match):
+    import re
+
+    msg = _params_error(change)
+    assert re.search(match, msg), msg
+
+
+def test_unknown_custom_environment_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"agent\.environment: cannot import 'agentrl\.nope:Env'"):
+        Toolset(None, "chat", environment="agentrl.nope:Env")
+    with pytest.raises(ValueError, match=r"agent\.format 'inline' .* drives one tool"):
+        Toolset(None, "inline", environment=f"{HERE}:TwoTools")
+
+
+class TwoTools(Tally):
+    def tock(self, note: str) -> str:
+        """Another tool.
+
+        Args:
+            note: anything.
+        """
+        return note
+
+
+def test_sft_check_lengths_names_the_key_when_nothing_fits():
+    from agentrl.config import validate_params
+    from agentrl.sft import check_lengths
+
+    feats = [{"input_ids": list(range(15)), "completion_mask": [0] * 10 + [1] * 5}] * 3
+    p = mini_params()
+    p["sft"]["trainer"]["max_length"] = 8
+    with pytest.raises(ValueError, match=r"sft\.trainer\.max_length=8 leaves no trainable example.* at least 15"):
+        check_lengths(feats, validate_params(p))
+    p["sft"]["trainer"]["max_length"] = 11
+    check_lengths(feats, validate_params(p))  # one completion token fits: trainable
