@@ -97,6 +97,23 @@ def journal_heartbeat_storage_class():
     return JournalHeartbeatStorage
 
 
+def rdb_storage(url: str, attempts: int = 3, wait_s: float = 2.0, **kwargs):
+    """optuna.storages.RDBStorage(url, **kwargs). Workers started at the same moment on an empty database all
+    create Optuna's tables, and PostgreSQL refuses the same type twice (IntegrityError on pg_type) to all but one:
+    the others try again, when the tables are there and nothing is created."""
+    import optuna
+    import sqlalchemy.exc
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return optuna.storages.RDBStorage(url, **kwargs)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as e:
+            if attempt == attempts:
+                shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+                raise SystemExit(f"STORAGE {shown}: could not set up Optuna's tables ({attempts} tries): {e}") from e
+            time.sleep(wait_s)
+
+
 def open_storage(spec: str, heartbeat: int | None = None, grace: int | None = None, max_retry: int | None = None):
     """The study's storage: an RDB URL -> RDBStorage, else a journal file -> JournalStorage(JournalFileBackend);
     with `heartbeat` seconds, heartbeats on and stale trials retried (RetryHeartbeatStaleTrialCallback)."""
@@ -108,9 +125,7 @@ def open_storage(spec: str, heartbeat: int | None = None, grace: int | None = No
         raise SystemExit("STORAGE is empty: give a journal file on a shared filesystem or an RDB URL")
     retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry) if heartbeat else None
     if RDB_URL.match(spec):
-        return optuna.storages.RDBStorage(
-            spec, heartbeat_interval=heartbeat, grace_period=grace, heartbeat_stale_trial_callback=retry
-        )
+        return rdb_storage(spec, heartbeat_interval=heartbeat, grace_period=grace, heartbeat_stale_trial_callback=retry)
     path = Path(spec).expanduser()
     if path.is_dir():
         raise SystemExit(f"STORAGE {spec}: a directory; expected a journal file path (e.g. {spec}/study.journal)")

@@ -221,6 +221,29 @@ def test_journal_heartbeat_marks_silent_trials_stale(tmp_path):
     assert quiet.trials[0].state == TrialState.RUNNING
 
 
+def test_rdb_storage_retries_when_another_worker_creates_the_tables(monkeypatch):
+    """Workers starting at once on an empty PostgreSQL database race to create Optuna's tables: the losers get an
+    IntegrityError (seen with two workers in the slow PostgreSQL test) and must try again, not exit."""
+    import optuna
+    import sqlalchemy.exc
+
+    real, calls = optuna.storages.RDBStorage, []
+
+    def racing(url, **kw):
+        calls.append(url)
+        if len(calls) < 3:
+            raise sqlalchemy.exc.IntegrityError("CREATE TYPE trialstate", {}, Exception("pg_type_typname_nsp_index"))
+        return real(url, **kw)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", racing)
+    storage = sweep_worker.rdb_storage("sqlite:///:memory:", wait_s=0, heartbeat_interval=5)
+    assert len(calls) == 3 and storage.get_heartbeat_interval() == 5
+    calls.clear()
+    with pytest.raises(SystemExit, match=re_escape("STORAGE postgresql://u:***@h/db: could not set up")):
+        sweep_worker.rdb_storage("postgresql://u:secret@h/db", attempts=2, wait_s=0)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize(
     "spec, error",
     [
@@ -260,6 +283,29 @@ def test_worker_refuses_another_space_and_a_missing_git_remote(tmp_path):
     assert log.read_text().count("start") == 1
 
 
+@pytest.mark.parametrize("kind, trials", [("optuna", ["--trials", "7"]), ("grid", [])])
+def test_make_targets_pass_their_variables(kind, trials):
+    """make sweep-worker / sweep-status / sweep-dashboard: every make variable reaches the script's command line
+    (grid: no --trials, the grid's size is the target)."""
+    import shlex
+
+    def line(target: str, *var: str) -> list[str]:
+        r = subprocess.run(["make", "-n", "-o", "setup", target, *var], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return shlex.split(r.stdout.replace("\\\n", " ").splitlines()[-1])
+
+    common = ["STORAGE=/mnt/s/x.journal", "STUDY=lr", "GIT_REMOTE=up"]
+    worker = line("sweep-worker", *common, f"KIND={kind}", "TRIALS=7", "SPACE=configs/sweeps/tiny.yaml",
+                  "WORKER_ARGS=--grace 300")  # fmt: skip
+    expected = ["python", "scripts/sweep_worker.py", "worker", kind, "--storage", "/mnt/s/x.journal"]
+    expected += ["--name", "lr", "--space", "configs/sweeps/tiny.yaml", *trials, "--git-remote", "up"]
+    assert worker == expected + ["--grace", "300"]
+    assert line("sweep-status", *common)[2:] == ["status", "--storage", "/mnt/s/x.journal", "--name", "lr",
+                                                 "--git-remote", "up"]  # fmt: skip
+    dash = line("sweep-dashboard", *common, "DASH_PORT=8123")
+    assert dash[2:] == ["dashboard", "--storage", "/mnt/s/x.journal", "--port", "8123"]
+
+
 # ------------------------------------------------------------------------------------------------ slow, real
 REAL_SPACE = {
     "objective": {"metric": "metrics/eval_grpo.json", "key": "accuracy", "direction": "maximize"},
@@ -277,25 +323,36 @@ def sh(cmd: list[str], cwd: Path, timeout_s: float = 900) -> str:
     return r.stdout
 
 
-@pytest.fixture
-def machines(copy_repo, tmp_path):
-    """A Git remote (bare repository) and a DVC remote (a directory) holding a miniature baseline (dvc repro,
-    committed, pushed), and three clones of it, as three machines would have: clone() -> its path."""
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """A miniature baseline (dvc repro, committed) whose outputs are in a DVC remote directory (dvc push): the
+    repository every machine's clone starts from; built once for the module's real-DVC tests."""
     import yaml
 
+    from agentrl.testing import copy_repo
+
+    top = tmp_path_factory.mktemp("baseline")
+    origin = copy_repo(ROOT, top / "origin")
     p = mini_params()
     p["tracking"]["report_to"] = ["dvclive"]
-    (copy_repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
-    (copy_repo / "configs/sweeps/mini.yaml").write_text(yaml.safe_dump(REAL_SPACE))
-    sh(["git", "init", "-q"], copy_repo)
-    sh(["dvc", "remote", "add", "-d", "-f", "shared", str(tmp_path / "dvc-remote")], copy_repo)
-    sh(["git", "add", "-A"], copy_repo)
-    sh(["git", "commit", "-qm", "code"], copy_repo)
-    sh(["dvc", "repro"], copy_repo)
-    sh(["git", "add", "-A"], copy_repo)
-    sh(["git", "commit", "-qm", "baseline"], copy_repo)
-    sh(["dvc", "push"], copy_repo)
-    sh(["git", "clone", "-q", "--bare", str(copy_repo), str(tmp_path / "remote.git")], tmp_path)
+    (origin / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    (origin / "configs/sweeps/mini.yaml").write_text(yaml.safe_dump(REAL_SPACE))
+    sh(["git", "init", "-q"], origin)
+    sh(["dvc", "remote", "add", "-d", "-f", "shared", str(top / "dvc-remote")], origin)
+    sh(["git", "add", "-A"], origin)
+    sh(["git", "commit", "-qm", "code"], origin)
+    sh(["dvc", "repro"], origin)
+    sh(["git", "add", "-A"], origin)
+    sh(["git", "commit", "-qm", "baseline"], origin)
+    sh(["dvc", "push"], origin)
+    return origin
+
+
+@pytest.fixture
+def machines(baseline, tmp_path):
+    """A Git remote of its own (a bare clone of the baseline) and the DVC remote, and clones of it as machines
+    would have: clone(name) -> its path (with the baseline's outputs from the DVC remote unless pull=False)."""
+    sh(["git", "clone", "-q", "--bare", str(baseline), str(tmp_path / "remote.git")], tmp_path)
 
     def clone(name: str, pull: bool = True) -> Path:
         sh(["git", "clone", "-q", str(tmp_path / "remote.git"), name], tmp_path)
