@@ -97,6 +97,15 @@ RECIPE ?= configs/recipes/qwen3-0.6b-gsm8k.yaml
 recipe: setup
 	python scripts/recipe.py run $(RECIPE) -- $(DVC_EXP_ARGS)
 
+# An environment preset (configs/envs/<ENV>.yaml: countdown, countdown-nofeedback, gridworld, calculator-chat) as
+# the named experiment env-<ENV> in a temporary workspace (the workspace's own results stay), then its metrics
+# copied to docs/envs/<ENV>/ (scripts/env_results.py) so the README's environment rows trace to files.
+ENV ?= countdown
+.PHONY: env
+env: setup
+	python scripts/recipe.py run configs/envs/$(ENV).yaml -- --temp --name env-$(ENV) $(DVC_EXP_ARGS)
+	python scripts/env_results.py env-$(ENV) docs/envs/$(ENV)
+
 # Multi-node: run on every node with its MACHINE_RANK; MAIN_IP/MAIN_PORT name rank 0's address.
 MACHINE_RANK ?= 0
 NUM_MACHINES ?= 2

@@ -407,3 +407,16 @@ def test_no_torch_import():
 
     code = "import sys, agentrl.envs.countdown; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reset_reads_the_instance_from_a_served_prompt():
+    """The server has a prompt only: reset(prompt=...) reads numbers and target from the question's words."""
+    row = make_rows(1, random.Random(3), "test")[0]
+    from_fields, from_text = Countdown(), Countdown()
+    from_fields.reset(**row)
+    from_text.reset(prompt=[{"role": "user", "content": row["question"]}])
+    assert from_text._numbers == row["numbers"] and from_text._target == row["target"]
+    expr = row["answer"].rsplit("####", 1)[1].strip()
+    assert from_text.check(expr) == from_fields.check(expr) and from_text.check(expr).endswith("yes")
+    with pytest.raises(ValueError, match="numbers"):
+        Countdown().reset(prompt=[{"role": "user", "content": "What is 2+2?"}])

@@ -389,3 +389,16 @@ def test_no_torch_import():
 
     code = "import sys, agentrl.envs.gridworld; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reset_reads_the_grid_from_a_served_prompt():
+    """The server has a prompt only: reset(question=...) reads the grid, S and G from the text, and the same
+    text always slips the same way."""
+    row = make_rows(1, random.Random(5), "test")[0]
+    a, b = GridWorld(), GridWorld()
+    a.reset(prompt=[{"role": "user", "content": row["question"]}])
+    b.reset(question=row["question"])
+    assert a._grid == row["grid"] and a.position == list(row["start"]) and a._goal == tuple(row["goal"])
+    assert [a.move(d) for d in ("up", "left", "down")] == [b.move(d) for d in ("up", "left", "down")]
+    with pytest.raises(ValueError, match="grid"):
+        GridWorld().reset(question="Walk somewhere.\nno grid here")

@@ -142,7 +142,15 @@ def build_tiny(params: Params) -> dict:
     if chat_tools:
         from trl.chat_template_utils import qwen3_chat_template
 
-        # Qwen3's template renders tool calls and tool turns, and TRL's GRPOTrainer(tools=...) recognises it
+        # Qwen3's template renders tool calls and tool turns, and TRL's GRPOTrainer(environment_factory=...)
+        # recognises it. Every chat prompt starts with the template's tool description (JSON schemas and
+        # instructions, ~1 kB): the tokenizer is trained again with it in its text, weighted like the prompts,
+        # so it costs tens of tokens instead of hundreds (which would leave sft.trainer.max_length no room).
+        tokenizer.chat_template = qwen3_chat_template
+        header = tokenizer.apply_chat_template(
+            sft[0]["prompt"], add_generation_prompt=True, tokenize=False, **toolset.chat_template_kwargs()
+        )
+        tokenizer = train_tokenizer(tok_text + facts + [header] * len(sft), params.model.tiny.vocab_size)
         tokenizer.chat_template = qwen3_chat_template
     model = build_tiny_model(tokenizer, params.model.tiny, params.seed)
     n_params = sum(p.numel() for p in model.parameters())

@@ -16,6 +16,7 @@ training demos include near-miss failed tries (other expressions over the same n
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 from fractions import Fraction
 from typing import Iterable, Optional
@@ -175,9 +176,26 @@ def format_value(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
+_QUESTION = re.compile(r"Make (\d{1,6}) from ((?:\d{1,6} ){0,7}\d{1,6}) using")
+
+
+def row_text(row: dict) -> Optional[str]:
+    """The task's text in a row: `question`, else the last message of `prompt` (what the server has)."""
+    if isinstance(row.get("question"), str):
+        return row["question"]
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        content = prompt[-1].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
 def _instance(row: dict) -> tuple[list[int], int]:
-    """(numbers, target) of a row, or ValueError naming the row and the field."""
+    """(numbers, target) of a row, or ValueError naming the row and the field. A row with neither field but
+    a question in this task's words ("Make 24 from 3 8 5 using ...": a served prompt) is read from the text."""
     where = f"countdown row {row.get('id')!r}" if "id" in row else "countdown row"
+    if "numbers" not in row and "target" not in row and (m := _QUESTION.search(row_text(row) or "")):
+        row = {"numbers": [int(x) for x in m.group(2).split()], "target": int(m.group(1))}
     numbers, target = row.get("numbers"), row.get("target")
     if (
         not isinstance(numbers, (list, tuple))

@@ -17,6 +17,7 @@ BFS policy that re-plans from the observed position after every move (so slips i
 from __future__ import annotations
 
 import random
+import zlib
 from collections import deque
 from typing import Iterable, Optional
 
@@ -52,9 +53,34 @@ def _cell(value, field: str, where: str, rows: int, cols: int) -> tuple[int, int
     return value[0], value[1]
 
 
+def _from_text(text: str) -> Optional[dict]:
+    """A row's fields read back from the question (a served prompt): the grid lines after the first line, S and
+    G where they stand, the seed a checksum of the text (the same prompt slips the same way)."""
+    lines = [line.replace(" ", "") for line in text.strip().splitlines()[1:]]
+    if not lines or any(not line or set(line) - set(CELLS) for line in lines) or len({len(x) for x in lines}) != 1:
+        return None
+    cells = {ch: [(r, c) for r, line in enumerate(lines) for c, x in enumerate(line) if x == ch] for ch in "SG"}
+    if len(cells["S"]) != 1 or len(cells["G"]) != 1:
+        return None
+    return {"grid": lines, "start": list(cells["S"][0]), "goal": list(cells["G"][0]), "seed": zlib.crc32(text.encode())}
+
+
+def _row_text(row: dict) -> Optional[str]:
+    if isinstance(row.get("question"), str):
+        return row["question"]
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        content = prompt[-1].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
 def _instance(row: dict) -> tuple[list[str], tuple[int, int], tuple[int, int], int]:
-    """(grid, start, goal, seed) of a row, or ValueError naming the row and the field."""
+    """(grid, start, goal, seed) of a row, or ValueError naming the row and the field. A row without a grid but
+    with this task's question (a served prompt) is read from the text."""
     where = f"gridworld row {row.get('id')!r}" if "id" in row else "gridworld row"
+    if "grid" not in row and (parsed := _from_text(_row_text(row) or "")):
+        row = parsed
     grid = row.get("grid")
     if (
         not isinstance(grid, (list, tuple))
