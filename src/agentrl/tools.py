@@ -233,7 +233,10 @@ class Calculator:
         Returns:
             The value, e.g. "24".
         """
-        return calculator(expression)
+        try:
+            return calculator(expression)
+        except ToolError as e:  # answered, not raised: TRL's loop would render a raise as "{'error': ...}"
+            return f"error: {str(e)[:120]}"
 
 
 ENVIRONMENTS: dict[str, type] = {"calculator": Calculator, "countdown": countdown.Countdown, "gridworld": gridworld.GridWorld}
