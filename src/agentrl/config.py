@@ -258,7 +258,8 @@ class AgentParams(Strict):
             return v
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):  # checked by form here, imported by the stage
             raise ValueError(
-                f"unknown environment '{v}'; known: {', '.join(sorted(ENVIRONMENTS))} (or a custom one as 'module:Class')"
+                f"unknown environment '{v}'; known: {', '.join(sorted(ENVIRONMENTS))} "
+                "(or a custom one as 'module:Class')"
             )
         return v
 
@@ -309,9 +310,13 @@ class Params(Strict):
                 if k not in defaults:
                     raise ValueError(f"{name}.{k}: unknown knob; known: {', '.join(sorted(defaults))}")
                 want = type(defaults[k])
-                ok = isinstance(val, bool) if want is bool else isinstance(val, (int, float)) and not isinstance(
-                    val, bool
-                ) if want in (int, float) else isinstance(val, want)
+                ok = (
+                    isinstance(val, bool)
+                    if want is bool
+                    else isinstance(val, (int, float)) and not isinstance(val, bool)
+                    if want in (int, float)
+                    else isinstance(val, want)
+                )
                 if not ok or (want is int and not isinstance(val, int)):
                     raise ValueError(f"{name}.{k}: expected {want.__name__}, got {val!r}")
                 if k in ("num_train", "num_test") and not 1 <= val <= 1_000_000:

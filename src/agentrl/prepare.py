@@ -14,7 +14,6 @@ from pathlib import Path
 from .answers import strip_calculator_annotations
 from .common import get_logger, peak_rss_mb, write_metrics
 from .config import DataParams, Params, load_params_or_exit
-from .tools import TASKS
 from .data import (
     RawRow,
     check_rows,
@@ -28,6 +27,7 @@ from .data import (
     test_record,
     write_jsonl,
 )
+from .tools import TASKS
 
 OUT_DIR = Path("data/prepared")
 METRICS = Path("metrics/prepare.json")
@@ -149,7 +149,10 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
 
     n_sft = write_jsonl(
         out_dir / "sft_train.jsonl",
-        ({**fields(i, "train", r), "completion": [{"role": "assistant", "content": r["answer"]}]} for i, r in enumerate(train)),
+        (
+            {**fields(i, "train", r), "completion": [{"role": "assistant", "content": r["answer"]}]}
+            for i, r in enumerate(train)
+        ),
     )
     n_rl = write_jsonl(
         out_dir / "rl_train.jsonl",
@@ -158,7 +161,12 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
     n_test = write_jsonl(
         out_dir / "test.jsonl",
         (
-            {**fields(i, "test", r), "question": r["question"], "ground_truth": r["ground_truth"], "answer": r["answer"]}
+            {
+                **fields(i, "test", r),
+                "question": r["question"],
+                "ground_truth": r["ground_truth"],
+                "answer": r["answer"],
+            }
             for i, r in enumerate(test)
         ),
     )

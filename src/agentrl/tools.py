@@ -28,7 +28,6 @@ from typing import Callable, Optional
 
 from .envs import countdown, gridworld
 
-
 MAX_EXPRESSION_CHARS = 200
 MAX_MAGNITUDE = 1e15  # any operand or intermediate value beyond this is an error, not a huge number
 MAX_NODES = 64  # operators + numbers in one expression
@@ -239,7 +238,11 @@ class Calculator:
             return f"error: {str(e)[:120]}"
 
 
-ENVIRONMENTS: dict[str, type] = {"calculator": Calculator, "countdown": countdown.Countdown, "gridworld": gridworld.GridWorld}
+ENVIRONMENTS: dict[str, type] = {
+    "calculator": Calculator,
+    "countdown": countdown.Countdown,
+    "gridworld": gridworld.GridWorld,
+}
 TASKS = {"countdown": countdown, "gridworld": gridworld}  # built-in environments that generate their own data (prepare)
 
 
