@@ -497,13 +497,19 @@ def test_openai_agents_sdk_completes_a_task_through_the_server(server):
             model_settings=ModelSettings(max_tokens=40),
             tools=[calc_tool],
         )
-        return await Runner.run(agent, QUESTION, run_config=RunConfig(tracing_disabled=True), max_turns=4)
+        config = RunConfig(tracing_disabled=True)
+        plain = await Runner.run(agent, QUESTION, run_config=config, max_turns=4)
+        streamed = Runner.run_streamed(agent, QUESTION, run_config=config, max_turns=4)
+        events = [e.type async for e in streamed.stream_events()]
+        return plain, streamed, events
 
-    result = asyncio.run(go())
-    assert seen == ["12+7"]
-    assert result.final_output == "####19"
-    kinds = [item.type for item in result.new_items]
-    assert kinds.count("tool_call_item") == 1 and kinds.count("tool_call_output_item") == 1, kinds
+    result, streamed, events = asyncio.run(go())
+    assert seen == ["12+7", "12+7"]  # once per run: plain and streamed
+    for r in (result, streamed):
+        assert r.final_output == "####19"
+        kinds = [item.type for item in r.new_items]
+        assert kinds.count("tool_call_item") == 1 and kinds.count("tool_call_output_item") == 1, kinds
+    assert "raw_response_event" in events  # the streamed run read the server's SSE chunks
 
 
 # --------------------------------------------------------------------------- the trained model
