@@ -332,6 +332,19 @@ def test_chat_format_round_trip_plain_and_streaming(chat_server, chat_model_dir)
     assert finish == "tool_calls" and content == "" and json.loads(calls[0]["arguments"]) == {"expression": "12+7"}
 
 
+def test_chat_format_required_and_named_start_the_call(live, chat_model_dir):
+    """A policy that never opens a call itself: `required` starts the turn with `<tool_call>`, a named choice
+    with `<tool_call>` and the function's name, so the reply is that call."""
+    o = client(live(chat_model_dir, "chat", opens=False))
+    msgs = [{"role": "user", "content": QUESTION}]
+    auto = o.chat.completions.create(model="m", messages=msgs, tools=[CALC], max_tokens=8)
+    assert auto.choices[0].finish_reason == "length" and not auto.choices[0].message.tool_calls
+    for choice in ("required", {"type": "function", "function": {"name": "calculator"}}):
+        r = o.chat.completions.create(model="m", messages=msgs, tools=[CALC], tool_choice=choice, max_tokens=120)
+        assert r.choices[0].finish_reason == "tool_calls", (choice, r)
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"expression": "12+7"}
+
+
 @pytest.mark.parametrize(
     "body",
     [
