@@ -53,8 +53,9 @@ COMPARE_DETAILS = "diagnostics/compare.json"  # grpo_vs_sft: only_before_correct
 
 
 def dvc(*args: str, capture: bool = True) -> str:
-    cmd = ["dvc", *args]
-    print("+", " ".join(cmd), flush=True)
+    exe = Path(sys.executable).parent / "dvc"  # this interpreter's dvc (the venv's), else the one on PATH
+    cmd = [str(exe) if exe.is_file() else "dvc", *args]
+    print("+ dvc", " ".join(args), flush=True)
     r = subprocess.run(cmd, text=True, capture_output=capture)
     if r.returncode:
         sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{(r.stdout or '')[-2000:]}{r.stderr or ''}")
@@ -81,13 +82,25 @@ def queue_and_run(seeds: list[int], jobs: int) -> None:
     dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
 
 
-def _metrics(path: str, rev: str) -> dict:
-    import dvc.api
+def exp_commit(name: str) -> str:
+    """The commit of experiment `name` on this baseline (refs/exps/<baseline>/<name>, as `dvc exp` stores it)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    ref = f"refs/exps/{head[:2]}/{head[2:]}/{name}"
+    r = subprocess.run(["git", "rev-parse", "--verify", "-q", ref], capture_output=True, text=True)
+    if r.returncode:
+        raise ValueError(f"experiment {name}: no {ref} (run on another commit? see `dvc exp show`)")
+    return r.stdout.strip()
 
-    found = dvc.api.metrics_show(path, rev=rev)
-    if not isinstance(found, dict) or not found:
-        raise ValueError(f"experiment {rev}: {path} missing (see `dvc queue logs {rev}`)")
-    return found
+
+def _metrics(path: str, name: str) -> dict:
+    """`path` as the experiment committed it (metrics and diagnostics are git-tracked `cache: false` outputs)."""
+    r = subprocess.run(["git", "show", f"{exp_commit(name)}:{path}"], capture_output=True, text=True)
+    if r.returncode:
+        raise ValueError(f"experiment {name}: {path} missing (see `dvc queue logs {name}`)")
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"experiment {name}: {path} is not valid JSON ({e})") from None
 
 
 def collect(seeds: list[int]) -> list[dict]:
@@ -239,8 +252,13 @@ def main(argv: list[str] | None = None) -> None:
         queue_and_run(seeds, a.jobs)
     agg = aggregate(collect(seeds))
     write(agg, time.time() - started)
-    if Path("dvc.yaml").is_file() and "card" in (yaml.safe_load(Path("dvc.yaml").read_text()).get("stages") or {}):
-        dvc("repro", "card", capture=False)  # the model card shows the spread (docs/seeds.json is a dep of card)
+    # the model card shows the spread (docs/seeds.json is a dependency of the card stage): re-render it when the
+    # workspace holds a pipeline run (the experiments ran in temporary copies, not here)
+    stages = yaml.safe_load(Path("dvc.yaml").read_text()).get("stages") or {} if Path("dvc.yaml").is_file() else {}
+    if "card" in stages and Path("models/merged").is_dir():
+        dvc("repro", "card", capture=False)
+    else:
+        print("the model card shows the spread once the pipeline has run here: dvc repro")
 
 
 if __name__ == "__main__":
