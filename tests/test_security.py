@@ -32,11 +32,12 @@ def small_repo(dst: Path) -> Path:
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """sha256 of every file but DVC's scratch directory (.dvc/tmp: the API's lock and progress files)."""
+    """sha256 of every file of the workspace: not git's, DVC's cache or its scratch directory (.dvc/tmp: the
+    API's lock and progress files)."""
     return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        rel: hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and ".dvc/tmp" not in p.relative_to(root).as_posix() and ".git/" not in p.as_posix()
+        if p.is_file() and not (rel := p.relative_to(root).as_posix()).startswith((".dvc/tmp/", ".dvc/cache/", ".git/"))
     }
 
 
@@ -465,6 +466,31 @@ def test_a_finished_checkpoint_is_not_resumed(tmp_path):
     fake_checkpoint(d, 40, 40)
     assert resumable_checkpoint(d, "key") is None  # finished: trained again from the start
     assert not list(d.glob("checkpoint-*")) and (d / "fingerprint.txt").read_text() == "key\n"
+
+
+@pytest.mark.slow
+def test_rerunning_sft_with_its_final_checkpoint_trains_the_same_steps(workdir):
+    """Issue 26 item 10: SFT re-run with its final checkpoint present used to log 'resuming from checkpoint-N'
+    and record N + 1 steps; now it trains from the start and records N."""
+    from agentrl import base, prepare
+    from agentrl.common import read_metrics
+    from agentrl.config import load_params
+
+    p = mini_params()
+    p["sft"]["trainer"].update(max_steps=6, save_steps=3)
+    p["tracking"]["report_to"] = []
+    (workdir / "params.yaml").write_text(yaml.safe_dump(p))
+    params = load_params()
+    prepare.prepare(params)
+    base.build_tiny(params)
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        m = read_metrics(workdir / "metrics/sft_train.json")
+        assert m["steps"] == 6 and m["resumed_from"] is None, m
+        assert "resuming from" not in r.stderr
+    assert (workdir / "checkpoints/sft/checkpoint-6").is_dir()
 
 
 # ------------------------------------------------------------------------------------------------- the fuzz
