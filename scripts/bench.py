@@ -368,22 +368,26 @@ def reproducibility_child(mode: str) -> None:
     directory the parent prepared: SFT and GRPO step times under reproducibility.mode `mode`, one JSON line."""
     from agentrl.reproducibility import state
 
+    global STEPS
+
     params = load_params()  # the scratch params.yaml, whose mode `import agentrl` applied before torch computed
     assert params.reproducibility.mode == mode, (params.reproducibility, mode)
+    STEPS = REPRO_SFT_STEPS
     sft = sft_step_times(params, False)
     grpo = grpo_step_stats(params, steps=REPRO_GRPO_STEPS)
     out = {"mode": mode, "state": state(), "sft": sft, "grpo_seconds_per_step": grpo["seconds_per_step"]}
     print("RESULT " + json.dumps(out), flush=True)
 
 
-REPRO_GRPO_STEPS = 6
+REPRO_SFT_STEPS = 15  # steps 6..15 timed (sft_step_times leaves 5 out)
+REPRO_GRPO_STEPS = 5  # steps 3..5 timed (grpo_step_stats leaves 2 out)
 
 
 def reproducibility_cost(repeats: int) -> dict:
     """`make bench-repro`: the cost of reproducibility.mode portable, side by side with native, on params.yaml's
     model and trainer configs. In a scratch directory: prepare, the base model (not pre-trained: the shapes and
     the work per step are the default's) and a 2-step SFT adapter; then SFT steps (sft_step_times) and GRPO steps
-    (grpo_step_stats, steps 3..6) in one process per mode (torch and MKL fix their kernels per process),
+    (grpo_step_stats, steps 3..5) in one process per mode (torch and MKL fix their kernels per process),
     alternating native, portable, native, ... so a drifting machine load hits both. Ratio = portable / native of
     the medians -> metrics/bench_reproducibility.json."""
     import yaml

@@ -108,7 +108,9 @@ def test_a_stage_stops_when_torch_computed_before_the_kernels_were_pinned(tmp_pa
     portable params cannot honour them, and load_params says so instead of training on other kernels."""
     if rep.cpu_problem():
         pytest.skip(rep.cpu_problem())
-    write_params(tmp_path / "params.yaml", mini_params())  # portable (params.yaml's default)
+    p = mini_params()
+    p["reproducibility"] = {"mode": "portable", "threads": 2}
+    write_params(tmp_path / "params.yaml", p)
     code = (
         "import os, torch; os.chdir('elsewhere'); a = torch.randn(64, 64); (a @ a).sum()\n"
         "os.chdir('..'); from agentrl.config import load_params; load_params()"
