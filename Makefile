@@ -54,7 +54,11 @@ test: setup
 	python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-slow: setup
-	python -m pytest -m slow $(PYTEST_ARGS)
+	python -m pytest -m "slow and not heavy" $(PYTEST_ARGS)
+
+# end-to-end runs of tens of minutes on 2 cores (make seeds on miniature params): not in CI
+test-heavy: setup
+	python -m pytest -m heavy $(PYTEST_ARGS)
 
 test-all: setup
 	python -m pytest $(PYTEST_ARGS)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 MODES = ("portable", "native")
-DEFAULT_MODE = "portable"
+DEFAULT_MODE = "native"
 DEFAULT_THREADS = 2
 # what `portable` sets; the thread count comes from reproducibility.threads
 PORTABLE_ENV = {
