@@ -235,7 +235,7 @@ class DistributedParams(Strict):
 class ReproducibilityParams(Strict):
     # portable: the CPU kernels pinned (ATen AVX2, MKL COMPATIBLE, FBGEMM AVX2) for the same bytes on any x86-64
     # CPU with AVX2 | native: the CPU's own (fastest) kernels. reproducibility.py; docs/reproducibility.md
-    mode: Literal["portable", "native"] = "portable"
+    mode: Literal["portable", "native"] = "native"
     threads: int = Field(2, ge=1, le=1024)  # portable: intra-op threads per process (the bytes depend on it)
 
 
