@@ -520,7 +520,8 @@ def test_clients_that_disconnect_stop_their_generation(long_server):
     plain = h3["tokens_generated"] - h2["tokens_generated"] - 1
     left = outcomes.count("gave up")
     assert left >= 4, outcomes  # (a client whose completion came within 0.3 s had nothing to cancel)
-    assert plain < (8 - left) * full + left * full // 4, (plain, outcomes, full)
+    # without cancellation every one of them costs `full`; half of that bounds a loaded machine's late cancels
+    assert plain < (8 - left) * full + left * full // 2, (plain, outcomes, full)
     assert h3["jobs_cancelled"] - h2["jobs_cancelled"] >= left, h3
 
 

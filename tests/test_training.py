@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from agentrl.common import read_metrics
+from agentrl.tools import Calculator
 from conftest import mini_params, tiny_lm, write_params
 
 
@@ -348,14 +349,17 @@ def test_chat_format_pipeline_runs_trl_native_tool_loop(tmp_path, monkeypatch):
     orig = trl.GRPOTrainer.__init__
 
     def spy(self, *a, **kw):
-        seen.update(tools=kw.get("tools"), rollout_func=kw.get("rollout_func"))
+        seen.update(tools=kw.get("tools"), rollout_func=kw.get("rollout_func"), factory=kw.get("environment_factory"))
         orig(self, *a, **kw)
         seen["response_template"] = getattr(self.processing_class, "response_template", None)
+        seen["env_tools"] = {name: [t.__name__ for t in ts] for name, ts in self._env_tools.items()}
 
     monkeypatch.setattr(trl.GRPOTrainer, "__init__", spy)
     m = grpo.train(params)
     assert m["steps"] == 2 and m["generation_seconds"] is None  # TRL generated: no project rollout timer
-    assert [t.__name__ for t in seen["tools"]] == ["calculator"] and seen["rollout_func"] is None
+    # TRL's own loop, with the calculator environment: one instance per rollout, its method the one tool
+    assert seen["tools"] is None and seen["rollout_func"] is None
+    assert isinstance(seen["factory"](), Calculator) and seen["env_tools"] == {None: ["calculator"]}
     assert seen["response_template"] is not None  # TRL recognised Qwen3's template and can parse tool calls
     assert (tmp_path / "models/grpo/adapter_config.json").exists()
     e = evaluate(params, "grpo")
