@@ -493,3 +493,27 @@ def test_sft_check_lengths_names_the_key_when_nothing_fits():
         check_lengths(feats, validate_params(p))
     p["sft"]["trainer"]["max_length"] = 11
     check_lengths(feats, validate_params(p))  # one completion token fits: trainable
+
+
+def test_a_served_prompt_resets_an_environment_from_its_user_turn():
+    """The server has token ids only: serve.served_row gives the environment the last user turn's text, from
+    which countdown and gridworld read their instance."""
+    from agentrl.envs import countdown, gridworld
+    from agentrl.serve import served_row
+    from conftest import tiny_lm
+
+    q_cd = "Make 24 from 3 8 5 using + - * / once each."
+    q_gw = gridworld.question(["S..O", ".O..", "....", "O..G"])
+    tok, _ = tiny_lm([q_cd, q_gw], 300)
+
+    def ids(q):
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    assert served_row(tok, ids(q_cd)) == {"question": q_cd} and served_row(tok, ids(q_gw)) == {"question": q_gw}
+    env = countdown.Countdown()
+    env.reset(**served_row(tok, ids(q_cd)))
+    assert env.check("(5-3)*8+8") == "error: 8 used twice" and env.check("3*8") == "error: 5 unused"
+    walker = gridworld.GridWorld()
+    walker.reset(**served_row(tok, ids(q_gw)))
+    assert walker.position == [0, 0]

@@ -357,6 +357,14 @@ class Sampling:
         return ("sample", self.temperature, self.top_p, None if self.seed is None else ("seeded", id(self)))
 
 
+def served_row(tok, prompt_ids: list[int]) -> dict:
+    """The row an environment episode is reset with for a served prompt: the last user turn's text as
+    `question` (countdown and gridworld read their instance from it)."""
+    text = tok.decode(prompt_ids, skip_special_tokens=False)
+    user = text.rpartition("<|im_start|>user\n")[2].partition("<|im_end|>")[0]
+    return {"question": user or text}
+
+
 @dataclass
 class Job:
     prompt_ids: list[int]
@@ -494,6 +502,7 @@ class Engine:
             seed=s.seed if not s.greedy else None,
             return_logprobs=True,
             row_hook=hook,
+            rows=[served_row(tok, j.prompt_ids) for j in jobs] if getattr(self.toolset, "environment", None) else None,
         )
         results = []
         for i, job in enumerate(jobs):
