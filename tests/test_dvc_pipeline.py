@@ -36,6 +36,8 @@ def package_imports(module: str, src: Path = SRC) -> set[str]:
         files = sorted((src / module).glob("*.py"))
         return {m for f in files for m in package_imports(f"{module}/{f.stem}", src) if m != module}
     for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and "/" in module:
+            continue  # inside a subpackage: `from . import x` is the subpackage itself, its directory is the dep
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("agentrl."):

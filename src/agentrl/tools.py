@@ -96,16 +96,21 @@ def calculator(expression: str) -> str:
 REGISTRY: dict[str, Callable[..., str]] = {"calculator": calculator}
 
 
+def _import_path(name: str, what: str):
+    """The object a `module:attr` path names, or ValueError '<what> '<name>': <why>'."""
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} '{name}': {e}") from None
+
+
 def get_tool(name: str) -> Callable[..., str]:
     """A tool by registry name or `module:function` import path."""
     if name in REGISTRY:
         return REGISTRY[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"agent.tools: cannot import custom tool '{name}': {e}") from None
+        fn = _import_path(name, "agent.tools: cannot import custom tool")
         if not callable(fn):
             raise ValueError(f"agent.tools: '{name}' is not callable")
         return fn
@@ -270,11 +275,7 @@ def get_environment(name: str) -> type:
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"agent.environment: cannot import '{name}': {e}") from None
+        cls = _import_path(name, "agent.environment: cannot import")
         if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
             raise ValueError(f"agent.environment: '{name}' is not a class with a reset(**row) method")
         return cls

@@ -21,6 +21,8 @@ from collections import Counter
 from fractions import Fraction
 from typing import Iterable, Optional
 
+from . import row_text
+
 GEN_DEFAULTS: dict = {
     "num_numbers": 3,  # how many numbers an instance gives (2-5)
     "number_min": 1,  # the numbers are drawn from number_min..number_max
@@ -177,17 +179,6 @@ def format_value(value: Fraction) -> str:
 
 
 _QUESTION = re.compile(r"Make (\d{1,6}) from ((?:\d{1,6} ){0,7}\d{1,6}) using")
-
-
-def row_text(row: dict) -> Optional[str]:
-    """The task's text in a row: `question`, else the last message of `prompt` (what the server has)."""
-    if isinstance(row.get("question"), str):
-        return row["question"]
-    prompt = row.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
-        content = prompt[-1].get("content")
-        return content if isinstance(content, str) else None
-    return None
 
 
 def _instance(row: dict) -> tuple[list[int], int]:

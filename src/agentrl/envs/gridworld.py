@@ -21,6 +21,8 @@ import zlib
 from collections import deque
 from typing import Iterable, Optional
 
+from . import row_text
+
 GEN_DEFAULTS: dict = {
     "size": 4,  # the grid is size x size (2-8)
     "hole_prob": 0.2,  # each cell other than S and G is a hole with this probability (0-0.6)
@@ -65,21 +67,11 @@ def _from_text(text: str) -> Optional[dict]:
     return {"grid": lines, "start": list(cells["S"][0]), "goal": list(cells["G"][0]), "seed": zlib.crc32(text.encode())}
 
 
-def _row_text(row: dict) -> Optional[str]:
-    if isinstance(row.get("question"), str):
-        return row["question"]
-    prompt = row.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
-        content = prompt[-1].get("content")
-        return content if isinstance(content, str) else None
-    return None
-
-
 def _instance(row: dict) -> tuple[list[str], tuple[int, int], tuple[int, int], int]:
     """(grid, start, goal, seed) of a row, or ValueError naming the row and the field. A row without a grid but
     with this task's question (a served prompt) is read from the text."""
     where = f"gridworld row {row.get('id')!r}" if "id" in row else "gridworld row"
-    if "grid" not in row and (parsed := _from_text(_row_text(row) or "")):
+    if "grid" not in row and (parsed := _from_text(row_text(row) or "")):
         row = parsed
     grid = row.get("grid")
     if (
