@@ -290,7 +290,7 @@ def test_make_targets_pass_their_variables(kind, trials):
     import shlex
 
     def line(target: str, *var: str) -> list[str]:
-        r = subprocess.run(["make", "-n", "-o", "setup", target, *var], cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(["make", "-n", "--no-print-directory", "-o", "setup", target, *var], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         return shlex.split(r.stdout.replace("\\\n", " ").splitlines()[-1])
 
@@ -505,7 +505,7 @@ def test_dashboard_renders_the_study_in_chromium(tmp_path):
         t.set_user_attr("worker", f"w{n % 2}")
         study.tell(t, acc)
     port = free_port()
-    cmd = ["make", "-s", "-o", "setup", "sweep-dashboard", f"VENV={sys.prefix}", f"STORAGE={storage}"]
+    cmd = ["make", "-s", "--no-print-directory", "-o", "setup", "sweep-dashboard", f"VENV={sys.prefix}", f"STORAGE={storage}"]
     server = subprocess.Popen(cmd + [f"DASH_PORT={port}"], cwd=ROOT, env=tool_env(None), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
