@@ -18,6 +18,12 @@ else
   py=$(command -v python3 || command -v python || echo python3)
   how="python3 on PATH (no .venv in DVC_ROOT=${DVC_ROOT:-unset})"
 fi
+# The workspace's own code first: a `dvc exp run --queue/--temp` copy runs the code it was queued with, not the main
+# repository's src/ (where the venv's editable install points, and which may have been edited since).
+if [ -d src/agentrl ]; then
+  PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH
+fi
 if ! "$py" -c "import agentrl" 2>/dev/null; then
   echo "scripts/stage-python.sh: $py ($how) cannot import agentrl; run 'make setup' in the repository or set AGENTRL_PYTHON to the project's interpreter" >&2
   exit 3

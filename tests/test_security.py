@@ -767,3 +767,21 @@ def test_hostile_runs_end_to_end_with_real_dvc(tmp_path, monkeypatch):
     assert fs.read_text("params.yaml") == predicted and fs.read_text("ran_with.yaml") == predicted
     assert not marker.exists() and not (repo / "marker").exists()
     assert snapshot(repo) == before and SECRET not in json.dumps(agent_api.call("list_experiments", {}, root=repo))
+
+
+def test_stage_python_runs_the_workspace_code_not_the_main_repositorys(tmp_path):
+    """An experiment's temporary workspace (a copy of src/ as queued) imports its own agentrl, not the main
+    repository's src/ that the venv's editable install points at."""
+    work = tmp_path / "exp-temp-workspace"
+    shutil.copytree(ROOT / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    (work / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts/stage-python.sh", work / "scripts")
+    r = subprocess.run(
+        ["sh", "scripts/stage-python.sh", "-c", "import agentrl; print(agentrl.__file__)"],
+        cwd=work,
+        env={**os.environ, "AGENTRL_PYTHON": sys.executable, "DVC_ROOT": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()) == work / "src/agentrl/__init__.py", r.stdout
