@@ -100,30 +100,15 @@ SIZES = {
 
 
 # ------------------------------------------------------------------------------------------ params
-def deep_set(tree: dict, dotted: str, value) -> None:
-    *head, last = dotted.split(".")
-    for k in head:
-        tree = tree.setdefault(k, {})
-    tree[last] = value
-
-
-def merge_leaves(tree: dict, over: dict) -> dict:
-    """Every leaf of `over` replaces that key of `tree` (how scripts/recipe.py applies a recipe)."""
-    for k, v in over.items():
-        if isinstance(v, dict) and v and isinstance(tree.get(k), dict):
-            merge_leaves(tree[k], v)
-        else:
-            tree[k] = v
-    return tree
-
-
 def check_params(cpu: bool, stand_in: str) -> dict:
-    """params.yaml + the recipe + the local, short-run overrides of the check."""
+    """params.yaml + the recipe (applied as scripts/recipe.py applies it: DVC's `-S` code) + the local, short-run
+    overrides of the check."""
     sys.path.insert(0, str(ROOT / "src"))
-    from agentrl.config import load_yaml
+    from agentrl import overrides
+    from recipe import overrides as recipe_args
 
     s = SIZES["cpu" if cpu else "gpu"]
-    p = merge_leaves(load_yaml(ROOT / "params.yaml"), load_yaml(RECIPE))
+    p = overrides.load(overrides.apply((ROOT / "params.yaml").read_text(), recipe_args(RECIPE)))
     over = {
         "data.source": "synthetic",
         "data.max_samples": None,
@@ -161,7 +146,7 @@ def check_params(cpu: bool, stand_in: str) -> dict:
         over["sft.trainer.per_device_train_batch_size"] = 4
         over["sft.trainer.gradient_accumulation_steps"] = 1
     for k, v in over.items():
-        deep_set(p, k, v)
+        overrides.set_value(p, k, v)
     return p
 
 
@@ -298,9 +283,11 @@ class Check:
 
         import yaml
 
+        from agentrl.overrides import set_value
+
         p = copy.deepcopy(self.params)
         for k, v in (overrides or {}).items():
-            deep_set(p, k, v)
+            set_value(p, k, v)
         (self.work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 
     def metric(self, name: str) -> dict:

@@ -18,37 +18,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-
-def leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
-    out = []
-    for key, value in tree.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value:
-            out += leaves(value, path)
-        else:
-            out.append((path, value))
-    return out
-
-
-def hydra_value(v) -> str:
-    """A value in Hydra's override grammar (what `dvc exp run -S` parses): agent_api.hydra_value, which the
-    MCP API's overrides use too, refusing '${' (dvc exp run -S would read it as an interpolation)."""
-    from agentrl.agent_api import hydra_value as render
-
-    out = render(v)
-    if "${" in out:
-        raise ValueError(f"{v!r}: '${{' would be read as an interpolation by dvc exp run -S")
-    return out
+from agentrl.config import ParamsError, load_params, load_yaml
+from agentrl.overrides import OverrideError, leaves, render
 
 
 def overrides(recipe: str | Path) -> list[str]:
-    """`++key=value` per leaf of the recipe."""
-    from agentrl.config import load_yaml
-
+    """`++key=value` per leaf of the recipe (agentrl.overrides: leaves, rendered as `dvc exp run -S` reads them)."""
     tree = load_yaml(recipe)
     if not isinstance(tree, dict) or not tree:
         raise SystemExit(f"{recipe}: expected a mapping of params sections")
-    return [f"++{k}={hydra_value(v)}" for k, v in leaves(tree)]
+    try:
+        return render(dict(leaves(tree)))
+    except OverrideError as e:
+        raise SystemExit(f"{recipe}: {e}") from None
 
 
 def apply(params_file: str | Path, recipe: str | Path) -> None:
@@ -59,8 +41,6 @@ def apply(params_file: str | Path, recipe: str | Path) -> None:
 
 
 def check(recipe: str | Path, params_file: str | Path = "params.yaml") -> None:
-    from agentrl.config import ParamsError, load_params
-
     with tempfile.TemporaryDirectory() as d:
         scratch = Path(d) / "params.yaml"
         shutil.copy(params_file, scratch)

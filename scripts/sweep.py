@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from agentrl import overrides
+
 DISTRIBUTIONS = {  # type -> (required fields, Optuna suggestion)
     "loguniform": (("low", "high"), lambda t, k, d: t.suggest_float(k, d["low"], d["high"], log=True)),
     "uniform": (("low", "high"), lambda t, k, d: t.suggest_float(k, d["low"], d["high"])),
@@ -65,16 +67,17 @@ def load_space(path: str, kind: str) -> dict:
         raise SystemExit(f"{path}: fixed must be a mapping of param -> value, got {space['fixed']!r}")
     if both := set(space["fixed"]) & set(space[SEARCHED[kind]]):
         raise SystemExit(f"{path}: {sorted(both)} both fixed and searched in '{SEARCHED[kind]}'")
+    try:  # the values `dvc exp run -S` will carry, checked before anything is queued
+        overrides.render(space["fixed"], add=False)
+        overrides.render_grid(space.get("grid") or {})
+    except overrides.OverrideError as e:
+        raise SystemExit(f"{path}: {e}") from None
     return space
 
 
-def value(v) -> str:
-    """A value in the override grammar of `dvc exp run -S` (Hydra's): JSON is a subset of it."""
-    return json.dumps(v, separators=(",", ":"))
-
-
 def set_args(point: dict) -> list[str]:
-    return [a for k, v in point.items() for a in ("-S", f"{k}={value(v)}")]
+    """`-S key=value` per key of the point (agentrl.overrides.render: keys params.yaml has, so DVC refuses a typo)."""
+    return [a for arg in overrides.render(point, add=False) for a in ("-S", arg)]
 
 
 def dvc(*args: str, capture: bool = True) -> str:
@@ -131,16 +134,18 @@ def finish(name: str, space: dict, kind: str, names: list[str], started: float, 
     return out
 
 
-def pick(params: dict, dotted: str):
-    for k in dotted.split("."):
-        params = params[k]
-    return params
+def pick(tree: dict, dotted: str):
+    """The value at a dotted key of a params or metrics tree; KeyError naming the key when it has none."""
+    value = overrides.get(tree, dotted)
+    if value is overrides.MISSING:
+        raise KeyError(dotted)
+    return value
 
 
 def run_grid(name: str, space: dict, jobs: int) -> dict:
     started = time.time()
     prefix = f"{name}-{int(started)}"  # DVC names the points <prefix>-1 .. -N (just <prefix> when there is one)
-    sweeps = [a for k, vs in space["grid"].items() for a in ("-S", f"{k}={','.join(map(value, vs))}")]
+    sweeps = [a for arg in overrides.render_grid(space["grid"]) for a in ("-S", arg)]
     dvc("exp", "run", "--queue", "--name", prefix, *set_args(space["fixed"]), *sweeps)
     dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
     n = math.prod(len(vs) for vs in space["grid"].values())

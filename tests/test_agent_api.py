@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl import agent_api, config
+from agentrl import agent_api, config, overrides
 from agentrl.testing import GIT_IDENTITY, tool_env
 from conftest import mini_params
 
@@ -118,8 +118,8 @@ def test_overrides_reach_dvc_exactly():
         {"accuracy": 1.0, "fmt": 0.1},
     ]
     for v in values:
-        parsed = parser.parse_overrides([f"k={agent_api.hydra_value(v)}"])[0].value()
-        assert parsed == v, (v, agent_api.hydra_value(v), parsed)
+        parsed = parser.parse_overrides([f"k={overrides.hydra_value(v)}"])[0].value()
+        assert parsed == v, (v, overrides.hydra_value(v), parsed)
 
 
 def test_bad_arguments_are_structured_errors(repo):

@@ -64,7 +64,10 @@ def test_padded_tokenizer_decodes_every_id():
     assert len(padded) == 1000
     text = "Tom has 3 apples. 3+4=7"
     assert padded(text)["input_ids"] == tok(text)["input_ids"]
-    assert isinstance(padded.decode(list(range(len(tok) - 3, 1000))), str)
+    added = list(range(len(tok), 1000))
+    assert padded.convert_ids_to_tokens(added) == [f"<filler_{i}>" for i in range(len(added))]
+    assert all(padded.decode([i]) for i in added)  # an id outside the vocabulary decodes to "" without a word
+    assert padded.decode(list(range(len(tok)))) == tok.decode(list(range(len(tok))))
 
 
 def _env():

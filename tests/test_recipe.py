@@ -2,12 +2,14 @@
 mechanism on params.yaml), with a local stand-in for Qwen/Qwen3-0.6B (no hub here): every override reaches
 SFTConfig / GRPOConfig / LoraConfig, the model loader or the validated params."""
 
+import re
 import shutil
 import sys
 
 import pytest
 import torch
 
+from agentrl.overrides import get, leaves
 from conftest import ROOT, tiny_lm
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -35,12 +37,6 @@ def stand_in(tmp_path):
     return d
 
 
-def _get(tree, dotted):
-    for k in dotted.split("."):
-        tree = tree[k]
-    return tree
-
-
 def test_recipe_overrides_reach_every_config(tmp_path, stand_in):
     from agentrl import grpo, sft
     from agentrl.base import load_tokenizer_hub
@@ -51,9 +47,9 @@ def test_recipe_overrides_reach_every_config(tmp_path, stand_in):
     shutil.copy(ROOT / "params.yaml", params_file)
     recipe.apply(params_file, RECIPE)  # exactly what `dvc exp run -S ++k=v ...` does to params.yaml
     applied = load_yaml(params_file)
-    leaves = recipe.leaves(load_yaml(RECIPE))
-    assert leaves and all(_get(applied, k) == v for k, v in leaves), [
-        (k, v, _get(applied, k)) for k, v in leaves if _get(applied, k) != v
+    recipe_leaves = leaves(load_yaml(RECIPE))
+    assert recipe_leaves and all(get(applied, k) == v for k, v in recipe_leaves), [
+        (k, v, get(applied, k)) for k, v in recipe_leaves if get(applied, k) != v
     ]
     assert applied["model"]["base_model"] == "Qwen/Qwen3-0.6B" and len(applied["model"]["revision"]) == 40
 
@@ -71,13 +67,13 @@ def test_recipe_overrides_reach_every_config(tmp_path, stand_in):
         "grpo.lora": grpo.peft_config(params),
     }
     checked = 0
-    for key, _value in leaves:
+    for key, _value in recipe_leaves:
         section = next((s for s in built if key.startswith(s + ".")), None)
         if section is None:
             continue
         attr = key[len(section) + 1 :].split(".")[0]
         got = getattr(built[section], attr)
-        want = _get(load_yaml(RECIPE), section + "." + attr)
+        want = get(load_yaml(RECIPE), section + "." + attr)
         got = got.value if hasattr(got, "value") else got  # enums (lr_scheduler_type)
         if isinstance(want, list):
             got, want = sorted(got), sorted(want)
@@ -130,3 +126,11 @@ def test_hydra_values_round_trip(tmp_path):
     from agentrl.config import load_yaml
 
     assert load_yaml(params_file) == tricky
+
+
+def test_a_value_dvc_would_not_write_as_given_is_refused(tmp_path):
+    """An interpolation would be resolved by `dvc exp run -S` (here: the environment): refused, naming the key."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  system_prompt: 'home is ${oc.env:HOME}'\n")
+    with pytest.raises(SystemExit, match=re.escape(f"{bad}: data.system_prompt: ") + ".*interpolation"):
+        recipe.overrides(bad)

@@ -41,6 +41,8 @@ SPACE = {
         ("grid", lambda s: s["objective"].update(direction="up"), "objective.direction must be"),
         ("grid", lambda s: s["grid"].update({R: 8}), f"grid.{R} must be a non-empty list"),
         ("grid", lambda s: s["fixed"].update({R: 8}), "both fixed and searched"),
+        ("grid", lambda s: s["fixed"].update(seed="${oc.env:HOME}"), "seed: '${' is an interpolation"),
+        ("grid", lambda s: s["grid"].update({LR: [1e-4, float("inf")]}), f"{LR}: must be a finite number (got inf)"),
     ],
 )
 def test_space_errors_name_the_file_and_key(tmp_path, kind, edit, error):
@@ -63,7 +65,18 @@ def test_valid_space_and_its_optuna_distributions(tmp_path):
     point = sweep.suggest(trial, space["random"])
     assert 1e-4 <= point[LR] <= 1e-3 and point[R] in (4, 8) and 0.0 <= point[BETA] <= 0.05, point
     assert trial.distributions[LR].log and not trial.distributions[BETA].log
-    assert [sweep.value(v) for v in (1e-4, 8, True, None, "a b")] == ["0.0001", "8", "true", "null", '"a b"']
+
+
+def test_a_trials_arguments_make_dvc_write_its_point():
+    """`-S key=value` per key of a point (agentrl.overrides' renderer): DVC's own override code writes exactly the
+    point into params.yaml (the JSON renderer sweeps had before wrote 'é' as '\\u00e9' and doubled backslashes)."""
+    from agentrl import overrides
+
+    point = {LR: 1.2345e-4, R: 8, BETA: 0.0, "data.system_prompt": "Réponds: 'End with #### n' \\ fin"}
+    args = sweep.set_args(point)
+    assert args[::2] == ["-S"] * len(point)
+    applied = overrides.load(overrides.apply((ROOT / "params.yaml").read_text(), args[1::2]))
+    assert all(overrides.same(overrides.get(applied, k), v) for k, v in point.items()), applied
 
 
 def run(cmd, cwd):

@@ -392,18 +392,6 @@ def _import_names(tree: dict, key: str) -> list[str]:
     return [v] if isinstance(v, str) else []
 
 
-def _leaves(v: Any, where: str):
-    stack = [(v, where)]
-    while stack:
-        x, w = stack.pop()
-        if isinstance(x, dict):
-            stack.extend((y, f"{w}.{k}") for k, y in x.items())
-        elif isinstance(x, list):
-            stack.extend((y, f"{w}.{i}") for i, y in enumerate(x))
-        else:
-            yield w, x
-
-
 def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
     """The agent rules on the params an override produces, against the user's params.yaml (`base`)."""
     for key in IMPORT_KEYS:
@@ -441,7 +429,7 @@ def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
                     f"{where}: reaches the network, files or code (hub, paths, servers); only params.yaml sets it",
                     key=where,
                 )
-            for leaf, x in _leaves(v, where):
+            for leaf, x in overrides_mod.leaves(v, where, lists=True):
                 if isinstance(x, str) and ("/" in x or "\\" in x or x.startswith(("~", "."))):
                     raise APIError(
                         "not_allowed",
@@ -494,21 +482,13 @@ def _errors(e: Exception, raw: dict, overrides: list[str]) -> list[dict]:
         )
         out.append({"key": key, "type": kind, "message": msg})
     given = set(overrides)
-    above = {".".join(k.split(".")[:i]) for k in overrides for i in range(1, k.count(".") + 1)}
+    above = {s for k in overrides for s in overrides_mod.sections(k)}
 
     def related(err: dict) -> bool:
-        parts = err["key"].split(".")
-        return err["key"] in above or any(".".join(parts[:i]) in given for i in range(1, len(parts) + 1))
+        key = err["key"]
+        return key in above or key in given or any(s in given for s in overrides_mod.sections(key))
 
     return sorted(out, key=lambda err: not related(err))
-
-
-def hydra_value(v: Any) -> str:
-    """A JSON value in the override grammar of `dvc exp run -S` (Hydra's): agentrl.overrides.hydra_value."""
-    try:
-        return overrides_mod.hydra_value(v)
-    except TypeError as e:
-        raise APIError("wrong_type", str(e), key=None) from None
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -702,8 +682,13 @@ def _check_params_reached(root: Path, rev: Optional[str], params: dict, name: st
     if overrides_mod.same(got, params):
         return
     diff = next(
-        (k for k, v in _leaves(params, "") if not overrides_mod.same(overrides_mod.get(got, k[1:]), v)), ".params.yaml"
-    )[1:]
+        (
+            k
+            for k, v in overrides_mod.leaves(params, lists=True)
+            if not overrides_mod.same(overrides_mod.get(got, k), v)
+        ),
+        "params.yaml",
+    )
     _dvc(root, "exp", "remove", name, check=False)
     raise APIError(
         "override_not_applied",

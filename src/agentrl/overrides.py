@@ -1,18 +1,23 @@
-"""Params overrides by dotted key: get/set on a params tree, and their one rendering for `dvc exp run -S`.
+"""Params overrides by dotted key: get/set/flatten on a params tree, and their one rendering for `dvc exp run -S`.
 
     args = render({"seed": 7, "model.chat_template_kwargs": {"enable_thinking": False}}, base_tree)
     text = apply(params_yaml_text, args)   # params.yaml exactly as `dvc exp run -S <args>` writes it
     tree = load(text)                      # ... read back as the stages read it (config's strict loader)
 
-`render` writes each override in Hydra's grammar (what `-S` parses): strings always quoted, a dict value
-replacing the mapping it names (`~key` then `++key={...}`: Hydra and DVC would merge it into the old one),
-other values `++key=value` (add or override). `apply` runs DVC's own override code (dvc.utils.hydra.
-apply_overrides: ruamel round-trip load, Hydra's parser, OmegaConf update, DVC's merge and dump) on the text in
-memory, so what the agent API validates is the file the experiment runs with, byte for byte
-(tests/test_security.py checks it against DVC's function on a file). Interpolations (`${...}`) are refused
-before rendering: OmegaConf would resolve them (`${oc.env:SECRET}` reads the environment). Dict keys are limited
-to what Hydra's grammar writes unquoted (letters, digits, `_`, `-`): Hydra has no quoted dict keys, so
-`{"x:1,seed:7,y": 1}` would become three keys.
+Every dotted key the project reads, writes or renders goes through here: the agent API, recipes
+(scripts/recipe.py), sweeps (scripts/sweep.py, sweep_worker.py), the GPU check and the tests' set_param
+(tests/test_overrides.py finds any hand-written copy in src/ and scripts/).
+
+`render` checks each override (`check_key`, `check_value`) and writes it in Hydra's grammar (what `-S` parses):
+strings always quoted, a dict value replacing the mapping it names in `base` (`~key` then `++key={...}`: Hydra
+and DVC would merge it into the old one), other values `++key=value` (add or override) or, with `add=False`,
+`key=value` (override a key params.yaml has; DVC refuses a typo). `render_grid` writes a sweep (`key=v1,v2`,
+DVC expands the product). `apply` runs DVC's own override code (dvc.utils.hydra.apply_overrides: ruamel
+round-trip load, Hydra's parser, OmegaConf update, DVC's merge and dump) on the text in memory, so what the agent
+API validates is the file the experiment runs with, byte for byte (tests/test_security.py checks it against
+DVC's function on a file). Interpolations (`${...}`) are refused before rendering: OmegaConf would resolve them
+(`${oc.env:SECRET}` reads the environment). Dict keys are limited to what Hydra's grammar writes unquoted
+(letters, digits, `_`, `-`): Hydra has no quoted dict keys, so `{"x:1,seed:7,y": 1}` would become three keys.
 """
 
 from __future__ import annotations
@@ -56,16 +61,41 @@ def get(tree: Any, dotted: str) -> Any:
     return node
 
 
-def set_value(tree: dict, dotted: str, value: Any) -> None:
-    """tree[a][b][c] = value for "a.b.c" (sections created as needed); OverrideError for a value parent."""
+def set_value(tree: dict, dotted: str, value: Any, create: bool = True) -> None:
+    """tree[a][b][c] = value for "a.b.c", the sections created as needed (with `create`; without, a missing
+    one is an error); OverrideError naming the section that is a value or missing."""
     node, parts = tree, dotted.split(".")
     for i, p in enumerate(parts[:-1]):
-        if p not in node:
+        if p not in node and create:
             node[p] = {}
-        elif not isinstance(node[p], dict):
-            raise OverrideError(dotted, f"'{'.'.join(parts[: i + 1])}' is a value, not a section", "unknown_key")
+        elif not isinstance(node.get(p), dict):
+            what = "no section" if p not in node else "a value, not a section"
+            raise OverrideError(dotted, f"'{'.'.join(parts[: i + 1])}' is {what}", "unknown_key")
         node = node[p]
     node[parts[-1]] = value
+
+
+def sections(dotted: str) -> list[str]:
+    """The sections above a dotted key, outermost first: "a.b.c" -> ["a", "a.b"]."""
+    parts = dotted.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def leaves(tree: Any, prefix: str = "", lists: bool = False) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of `tree`, in order: a non-empty dict is walked (and, with `lists`, a
+    non-empty list, by index); anything else is a leaf, an empty dict included. Iterative (no recursion limit)."""
+    out, stack = [], [(prefix, tree)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict) and v:
+            items = v.items()
+        elif lists and isinstance(v, list) and v:
+            items = enumerate(v)
+        else:
+            out.append((key, v))
+            continue
+        stack.extend(reversed([(f"{key}.{k}" if key else str(k), x) for k, x in items]))
+    return out
 
 
 def hydra_keys(v: Any) -> Any:
@@ -140,9 +170,7 @@ def overlapping(keys: list[str]) -> tuple[str, str] | None:
     would decide the result. Linear in the total length of the keys."""
     given = set(keys)
     for k in keys:
-        parts = k.split(".")
-        for i in range(1, len(parts)):
-            parent = ".".join(parts[:i])
+        for parent in sections(k):
             if parent in given:
                 return parent, k
     return None
@@ -170,14 +198,30 @@ def hydra_value(v: Any) -> str:
     raise TypeError(f"unsupported value type {type(v).__name__}")
 
 
-def render(overrides: dict, base: dict) -> list[str]:
-    """The `dvc exp run -S` arguments for `overrides` ({dotted key: JSON value}) on the params tree `base`: a
-    dict value that replaces a mapping of `base` deletes it first (`~key`), so the result is the dict given."""
+def render(overrides: dict, base: dict | None = None, add: bool = True) -> list[str]:
+    """The `dvc exp run -S` arguments for `overrides` ({dotted key: JSON value}), each checked first
+    (OverrideError naming the key): `++key=value`, or `key=value` without `add`. A dict value that replaces a
+    mapping of the params tree `base` deletes it first (`~key`), so the result is the dict given; without `base`
+    a dict value is merged into the mapping, as a recipe's leaves are."""
     args = []
     for k, v in overrides.items():
-        if isinstance(v, dict) and isinstance(get(base, k), dict):
+        check_key(k)
+        check_value(k, v)
+        if isinstance(v, dict) and base is not None and isinstance(get(base, k), dict):
             args.append(f"~{k}")
-        args.append(f"++{k}={hydra_value(v)}")
+        args.append(f"{'++' if add else ''}{k}={hydra_value(v)}")
+    return args
+
+
+def render_grid(grid: dict) -> list[str]:
+    """The `dvc exp run -S` arguments of a grid sweep ({dotted key: [values]}): `key=v1,v2` each, for keys
+    params.yaml has; DVC runs the product. OverrideError naming the key of a value `render` refuses."""
+    args = []
+    for k, values in grid.items():
+        check_key(k)
+        for v in values:
+            check_value(k, v)
+        args.append(f"{k}={','.join(hydra_value(v) for v in values)}")
     return args
 
 

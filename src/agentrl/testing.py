@@ -108,15 +108,14 @@ def set_param(params_file: str | Path, dotted: str, value) -> None:
     last must exist (a KeyError names the missing one and the file)."""
     import yaml
 
+    from .overrides import OverrideError, set_value
+
     path = Path(params_file)
     tree = yaml.safe_load(path.read_text())
-    node = tree
-    *head, last = dotted.split(".")
-    for i, k in enumerate(head):
-        if not isinstance(node, dict) or not isinstance(node.get(k), dict):
-            raise KeyError(f"{path}: no mapping at '{'.'.join(head[: i + 1])}' (setting '{dotted}')")
-        node = node[k]
-    node[last] = value
+    try:
+        set_value(tree, dotted, value, create=False)
+    except OverrideError as e:
+        raise KeyError(f"{path}: {e}") from None
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
 
