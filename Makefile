@@ -17,15 +17,15 @@ PYTEST_ARGS ?=
 .PHONY: setup repro lint test test-slow test-all serve report wandb-report bench bench-tools loadtest train-ddp train-zero2 train-zero3 \
 	train-zero3-offload train-multinode sweep-grid sweep-random sweep-optuna recipe clean help
 
-help:
-	@echo "make repro   - install pinned deps into $(VENV) and run the DVC pipeline (dvc repro)"
-	@echo "make lint    - ruff check + ruff format --check (pinned ruff, config in pyproject.toml)"
-	@echo "make test    - install pinned deps and run the test suite"
-	@echo "make serve   - serve models/merged with FastAPI (PORT=$(PORT), MODEL=$(MODEL))"
+# `make help` lists every target with the `## ` text of its rule line (one line each; keep them short).
+help: ## this list
+	@echo "make <target> [VAR=value ...]; the variables are described next to each target in the Makefile"
+	@awk -F':.*## ' '/^[a-zA-Z0-9_.-]+( [a-zA-Z0-9_.-]+)*:.*## / {n = split($$1, t, " "); \
+	  for (i = 1; i <= n; i++) printf "  %-20s %s\n", t[i], $$2}' $(firstword $(MAKEFILE_LIST))
 
 # EXTRAS=s3|gs|ssh (several: EXTRAS="s3 ssh"): also the DVC remote plugin(s), pinned in requirements-remotes.txt
 REMOTE_EXTRAS := s3 gs ssh
-setup: $(STAMP)
+setup: $(STAMP) ## install the pinned dependencies into .venv if changed (EXTRAS=s3|gs|ssh)
 ifneq ($(strip $(EXTRAS)),)
 	@for e in $(EXTRAS); do case " $(REMOTE_EXTRAS) " in *" $$e "*) ;; \
 	  *) echo "EXTRAS: unknown extra '$$e' (one or more of: $(REMOTE_EXTRAS))" >&2; exit 2;; esac; done
@@ -41,48 +41,59 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $@
 	@echo "set-up done ($(STAMP))"
 
-repro: setup
+repro: setup ## set-up, then the whole DVC pipeline (dvc repro)
 	dvc repro
 
 # ruff (pinned in requirements.txt, configured in pyproject.toml): lint rules and formatting
 LINT_PATHS := src scripts tests
-lint: setup
+lint: setup ## ruff check + ruff format --check (pinned ruff, config in pyproject.toml)
 	ruff check $(LINT_PATHS)
 	ruff format --check $(LINT_PATHS)
 
-test: setup
+test: setup ## the test suite without the slow end-to-end tests (the README's test command)
 	python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-slow: setup
+test-slow: setup ## the slow end-to-end tests (sweeps, MCP, sharing, multi-node); CI runs them
 	python -m pytest -m "slow and not heavy" $(PYTEST_ARGS)
 
 # end-to-end runs of tens of minutes on 2 cores (make seeds on miniature params): not in CI
-test-heavy: setup
+test-heavy: setup ## end-to-end runs of tens of minutes (seeds on miniature params); not in CI
 	python -m pytest -m heavy $(PYTEST_ARGS)
 
-test-all: setup
+test-all: setup ## every test
 	python -m pytest $(PYTEST_ARGS)
 
-serve: setup
+serve: setup ## serve MODEL (models/merged) with the OpenAI-compatible API on HOST:PORT
 	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serve:app --host $(HOST) --port $(PORT)
 
 # MCP server over stdio (agentrl.mcp_server) for agents; README "Driving the pipeline from an agent (MCP)".
 # stdout is the protocol, so set-up output goes to stderr; clients run `make -s -C <repo> mcp`.
 .PHONY: mcp
-mcp:
+mcp: ## the MCP server over stdio for agents (clients run `make -s -C <repo> mcp`)
 	@$(MAKE) --no-print-directory -s setup >&2
 	@exec $(BIN)/python -m agentrl.mcp_server
 
-loadtest: setup
+loadtest: setup ## load-test a served MODEL (throughput, latency percentiles)
 	python scripts/loadtest.py --model $(MODEL)
 
 # reports/report.html: accuracy with 95% CIs, the comparison table, example completions with tool calls
-# (the curves are `dvc plots show`).
-report: setup
+# (the curves: `make plots`).
+report: setup ## reports/report.html: accuracy with CIs, the comparison, examples
 	python -m agentrl.report
 
+# dvc.yaml's curves as one page that renders offline: reports/plots/index.html (`dvc plots show` with Vega inlined
+# instead of loaded from a CDN; scripts/plots.py). PLOTS_ARGS: more `dvc plots show` arguments.
+.PHONY: plots exps
+plots: setup ## dvc.yaml's curves as reports/plots/index.html, rendering offline
+	python scripts/plots.py -- $(PLOTS_ARGS)
+
+# The experiments with the headline columns only (SFT, GRPO, their difference and p, tool use, int8), in 100
+# columns, then each one's changed params (scripts/exps.py; EXPS_ARGS=--all for every branch).
+exps: setup ## experiments with the headline columns only (100 columns wide)
+	python scripts/exps.py $(EXPS_ARGS)
+
 # dvc.yaml's plots + the report's per-stage columns as a W&B Report (online: needs WANDB_API_KEY; GROUP=<run group>).
-wandb-report: setup
+wandb-report: setup ## dvc.yaml's plots and the report's columns as a W&B Report (WANDB_API_KEY)
 	python scripts/wandb_report.py $(if $(GROUP),--group $(GROUP))
 
 # Run the pipeline (sft and grpo under `accelerate launch`, then evaluation) with NPROC processes.
@@ -91,14 +102,14 @@ train-ddp: ACCEL = ddp
 train-zero2: ACCEL = zero2
 train-zero3: ACCEL = zero3
 train-zero3-offload: ACCEL = zero3_offload
-train-ddp train-zero2 train-zero3 train-zero3-offload: setup
+train-ddp train-zero2 train-zero3 train-zero3-offload: setup ## the pipeline under accelerate, NPROC processes (DDP, ZeRO-2/3, offload)
 	dvc exp run -S distributed.accelerate_config=configs/accelerate/$(ACCEL).yaml \
 	  -S distributed.num_processes=$(NPROC) $(DVC_EXP_ARGS)
 
 # A params recipe (configs/recipes/) as one DVC experiment: `dvc exp run -S ++key=value` per leaf of RECIPE,
 # validated first (scripts/recipe.py). E.g. make recipe RECIPE=configs/recipes/qwen3-0.6b-gsm8k.yaml
 RECIPE ?= configs/recipes/qwen3-0.6b-gsm8k.yaml
-recipe: setup
+recipe: setup ## a params recipe (RECIPE=configs/recipes/...) as one validated DVC experiment
 	python scripts/recipe.py run $(RECIPE) -- $(DVC_EXP_ARGS)
 
 # An environment preset (configs/envs/<ENV>.yaml: countdown, countdown-nofeedback, gridworld, calculator-chat) as
@@ -106,7 +117,7 @@ recipe: setup
 # copied to docs/envs/<ENV>/ (scripts/env_results.py) so the README's environment rows trace to files.
 ENV ?= countdown
 .PHONY: env
-env: setup
+env: setup ## an environment preset (ENV=countdown|gridworld|...) as experiment env-ENV
 	python scripts/recipe.py run configs/envs/$(ENV).yaml -- --temp --name env-$(ENV) $(DVC_EXP_ARGS)
 	python scripts/env_results.py env-$(ENV) docs/envs/$(ENV)
 
@@ -116,12 +127,12 @@ NUM_MACHINES ?= 2
 MAIN_IP ?= 127.0.0.1
 MAIN_PORT ?= 29500
 STAGE ?= sft
-train-multinode: setup
+train-multinode: setup ## one node of a multi-node STAGE (MACHINE_RANK, NUM_MACHINES, MAIN_IP)
 	accelerate launch --config_file configs/accelerate/multi_node.yaml --num_machines $(NUM_MACHINES) \
 	  --num_processes $(NPROC) --machine_rank $(MACHINE_RANK) --main_process_ip $(MAIN_IP) \
 	  --main_process_port $(MAIN_PORT) -m agentrl.$(STAGE)
 
-clean:
+clean: ## delete the pipeline's outputs in the workspace (models, metrics, ...)
 	rm -rf data/prepared models checkpoints eval metrics diagnostics dvclive runs wandb reports
 
 # Hyperparameter sweeps: DVC's queue (`dvc exp run --queue -S`), Optuna's samplers (search spaces in configs/sweeps/).
@@ -130,11 +141,11 @@ SPACE ?= configs/sweeps/grpo.yaml
 JOBS ?= 1
 N ?= 10
 TRIALS ?= 20
-sweep-grid: setup
+sweep-grid: setup ## a grid search over SPACE through DVC's queue (JOBS at a time)
 	python scripts/sweep.py grid --space $(SPACE) --jobs $(JOBS)
-sweep-random: setup
+sweep-random: setup ## N random trials over SPACE through DVC's queue
 	python scripts/sweep.py random --space $(SPACE) -n $(N) --jobs $(JOBS)
-sweep-optuna: setup
+sweep-optuna: setup ## TRIALS Optuna trials over SPACE through DVC's queue
 	python scripts/sweep.py optuna --space $(SPACE) --trials $(TRIALS) --jobs $(JOBS)
 
 # One search on many machines (docs/sweeps-across-machines.md): run `make sweep-worker` in a clone on every machine.
@@ -147,38 +158,38 @@ KIND ?= optuna
 DASH_PORT ?= 8080
 WORKER_ARGS ?=
 .PHONY: sweep-worker sweep-status sweep-dashboard
-sweep-worker: setup
+sweep-worker: setup ## one worker of a search many machines share (STORAGE, STUDY, KIND)
 	@mkdir -p sweeps
 	python scripts/sweep_worker.py worker $(KIND) --storage "$(STORAGE)" --name $(STUDY) --space $(SPACE) \
 	  $(if $(filter grid,$(KIND)),,--trials $(TRIALS)) --git-remote $(GIT_REMOTE) $(WORKER_ARGS)
-sweep-status: setup
+sweep-status: setup ## trials of the shared search STUDY in STORAGE, and their experiments
 	python scripts/sweep_worker.py status --storage "$(STORAGE)" --name $(STUDY) --git-remote $(GIT_REMOTE)
-sweep-dashboard: setup
+sweep-dashboard: setup ## optuna-dashboard on STORAGE (DASH_PORT)
 	python scripts/sweep_worker.py dashboard --storage "$(STORAGE)" --port $(DASH_PORT)
 
-bench: setup
+bench: setup ## benchmarks: step times, memory, tool loop, serving (metrics/bench*.json)
 	python scripts/bench.py
 
 # Only the tool loop's figures (loop vs plain generate, GRPO step with tools): metrics/bench_tools.json
-bench-tools: setup
+bench-tools: setup ## only the tool loop's figures (loop vs plain generate, GRPO step)
 	python scripts/bench.py --tools-only
 
 # The cost of reproducibility.mode portable vs native (SFT and GRPO step times, each mode in its own processes,
 # alternating): metrics/bench_reproducibility.json (docs/reproducibility.md)
 .PHONY: bench-repro seeds
-bench-repro: setup
+bench-repro: setup ## the cost of reproducibility.mode portable vs native
 	python scripts/bench.py --reproducibility
 
 # The pipeline over N seeds (N=3: seeds 42-44) as DVC experiments seed-K, aggregated into docs/seeds.json,
 # docs/seeds.md and the README's seeds block (mean, sd, min-max per stage; GRPO-SFT per seed and pooled)
 # (N defaults to 3 here, not the sweeps' 10)
-seeds: setup
+seeds: setup ## the pipeline over N seeds (default 3) and their spread (docs/seeds.md)
 	python scripts/seeds.py -n $(if $(filter command line environment,$(origin N)),$(N),3) --jobs $(JOBS)
 
 # GPU check (README "GPU check"): the recipe's code paths on one CUDA GPU, offline, one table in gpu_check/gpu_check.md.
 # Exit 2 without a CUDA device; GPU_CHECK_ARGS="--cpu-smoke" runs the same sequence on the CPU with a tiny model.
 .PHONY: gpu-check
-gpu-check: setup
+gpu-check: setup ## the recipe's code paths on one CUDA GPU (gpu_check/gpu_check.md)
 	PYTHON=$(BIN)/python bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 # Sharing results (README "Sharing results"). DVC_REMOTE=<directory or s3://, gs://, ssh:// URL> overrides the
@@ -187,20 +198,20 @@ gpu-check: setup
 DVC_REMOTE ?=
 GIT_REMOTE ?= origin
 .PHONY: push pull publish register
-push: setup
+push: setup ## push outputs to the DVC remote and experiments to GIT_REMOTE
 	python -m agentrl.share push $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
-pull: setup
+pull: setup ## pull and verify outputs from the DVC remote (a corrupt file fails)
 	python -m agentrl.share pull $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
 
 # Upload models/merged + its model card (models/card/README.md, the `card` stage) to the Hugging Face Hub.
 # The token comes from the HF_TOKEN environment variable only; PRIVATE=1 creates a private repository.
-publish: setup
+publish: setup ## upload models/merged and its model card to the Hub (REPO_ID, HF_TOKEN)
 	@test -n "$(REPO_ID)" || { echo "make publish: REPO_ID is not set (make publish REPO_ID=<user>/<name>)" >&2; exit 2; }
 	python -m agentrl.card --publish "$(REPO_ID)" $(if $(PRIVATE),--private)
 
 # Register the exported model with GTO: an annotated git tag merged@vX.Y.Z on HEAD, whose dvc.lock pins the
 # weights (`git checkout merged@vX.Y.Z && make pull` gets them back). VERSION=vX.Y.Z, else the next patch.
-register: setup
+register: setup ## tag models/merged as merged@vX.Y.Z with GTO (VERSION)
 	@test -z "$$(git status --porcelain -- dvc.lock dvc.yaml params.yaml metrics)" || { echo "make register: dvc.lock, \
 	dvc.yaml, params.yaml or metrics/ differ from HEAD; commit them first (the tag names a commit)" >&2; exit 2; }
 	@test "$$(dvc status --json)" = "{}" || { echo "make register: the pipeline is not up to date (dvc status); \

@@ -127,7 +127,7 @@ def collect(seeds: list[int]) -> list[dict]:
                 "stages": stages,
                 "grpo_minus_sft": cmp["grpo_minus_sft"],
                 "ci95": cmp["ci95"],
-                "p_value": cmp["p_value"],
+                "p_value": float(cmp["p_value"]),  # text in scientific notation since metrics/compare.json shows it
                 "gained": paired["only_after_correct"],
                 "lost": paired["only_before_correct"],
                 "n": paired["n"],

@@ -46,7 +46,9 @@ def test_compare_main_writes_paired_test_and_plot_csv(workdir, tools):
     g = out["grpo_vs_sft"]
     assert (g["n"], g["only_before_correct"], g["only_after_correct"]) == (10, 1, 5)
     assert g["difference"] == pytest.approx(0.4)
-    assert out["p_value"] == g["p_value"] == pytest.approx(2 * (1 + 6) / 2**6)  # exact McNemar, b=1, c=5
+    assert g["p_value"] == pytest.approx(2 * (1 + 6) / 2**6)  # exact McNemar, b=1, c=5
+    # the headline p as text in scientific notation (DVC prints numbers rounded: 4e-69 as 0.0)
+    assert headline["p_value"] == out["p_value"] == f"{g['p_value']:.2e}" == "2.19e-01"
     lo, hi = out["ci95"]
     assert out["ci95"] == g["ci95"] and -1 <= lo < 0.4 < hi <= 1  # the bootstrap CI holds the difference
     b = out["sft_vs_base"]

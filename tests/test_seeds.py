@@ -177,7 +177,7 @@ def test_seeds_script_end_to_end(copy_repo):
             m = json.loads(_git(copy_repo, "show", f"{ref}:{path}"))
             assert r["stages"][stage]["accuracy"] == m["accuracy"], (k, stage)
         c = json.loads(_git(copy_repo, "show", f"{ref}:metrics/compare.json"))
-        assert (r["grpo_minus_sft"], r["p_value"]) == (c["grpo_minus_sft"], c["p_value"])
+        assert (r["grpo_minus_sft"], r["p_value"]) == (c["grpo_minus_sft"], float(c["p_value"]))
     accs = [r["stages"]["sft"]["accuracy"] for r in agg["runs"]]
     assert agg["stages"]["sft"]["accuracy"]["mean"] == pytest.approx(statistics.fmean(accs))
     assert (

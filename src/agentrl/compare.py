@@ -76,7 +76,9 @@ def main() -> None:
         **{f"{s}_accuracy": acc[s] for s in STAGES},
         "sft_minus_base": acc["sft"] - acc["base"],
         "grpo_minus_sft": acc["grpo"] - acc["sft"],
-        "p_value": sft_vs_grpo["p_value"],
+        # as text in scientific notation: `dvc metrics show` / `dvc exp show` round numbers to 0.0 (4e-69 -> 0.0);
+        # the number is diagnostics/compare.json's grpo_vs_sft.p_value
+        "p_value": f"{sft_vs_grpo['p_value']:.2e}",
         "ci95": sft_vs_grpo["ci95"],
         "grpo_vs_sft": sft_vs_grpo,
         "sft_vs_base": base_vs_sft,
@@ -96,7 +98,7 @@ def main() -> None:
         acc["grpo"],
         out["grpo_minus_sft"],
         *out["ci95"],
-        out["p_value"],
+        sft_vs_grpo["p_value"],
     )
     if "grpo_tool_use_rate" in out:
         log.info(

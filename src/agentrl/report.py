@@ -178,7 +178,7 @@ experiments.</p>
 {%- endfor %}
 <tr><td>GRPO − SFT</td><td>{{ signed(diff.grpo_minus_sft) }}</td>
 <td>{{ signed(diff.ci95[0]) }} – {{ signed(diff.ci95[1]) }}</td>{% for k in tool_keys %}<td></td>{% endfor %}
-<td>{{ "%.2g" | format(diff.p_value) }}</td></tr>
+<td>{{ "%.2g" | format(diff.p_value | float) }}</td></tr>
 </table>
 <p>Accuracy intervals: metrics/eval_&lt;stage&gt;.json; GRPO − SFT: paired bootstrap CI and exact McNemar test on
 the same problems (metrics/compare.json).</p>
