@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from agentrl import agent_api
+from agentrl import agent_api, agent_checks
 from agentrl.testing import tool_env
 from test_agent_api import make_repo, sh, snapshot
 
@@ -116,7 +116,7 @@ def test_run_experiment_end_to_end_over_mcp(repo):
     first, second, listed, compared, evaluated = session(repo, body)
     run = payload(first)
     assert run["name"] == "bs4" and run["mode"] == "temp", run
-    num_test = agent_api._read_params(repo)["data"]["synthetic"]["num_test"]
+    num_test = agent_checks.read_params(repo)["data"]["synthetic"]["num_test"]
     assert run["diagnostics"]["diagnostics/eval_grpo.json"]["num_samples"] == num_test
     assert 0.0 <= run["summary"]["grpo_accuracy"] <= 1.0
     stages_total = len(agent_api.stages(repo))
@@ -148,5 +148,5 @@ def test_run_experiment_end_to_end_over_mcp(repo):
         "run_experiment", {"overrides": {"eval.batch_size": 3}, "name": "bs3", "mode": "workspace"}, root=repo
     )
     assert out.get("applied_to_workspace") is True, out
-    assert agent_api._read_params(repo)["eval"]["batch_size"] == 3
+    assert agent_checks.read_params(repo)["eval"]["batch_size"] == 3
     assert (repo / "metrics/eval_grpo.json").exists()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl import agent_api, config, overrides
+from agentrl import agent_api, agent_checks, config, overrides
 from agentrl.testing import GIT_IDENTITY, copy_repo, tool_env
 from conftest import ROOT, mini_params
 
@@ -337,10 +337,10 @@ def test_huge_requests_are_refused_before_params_are_read(repo, fake, monkeypatc
     def unread(root):
         raise AssertionError("params.yaml was read for a request over the limit")
 
-    monkeypatch.setattr(agent_api, "_params_text", unread)
-    for n in (agent_api.MAX_OVERRIDES + 1, 8000, 100_000):
+    monkeypatch.setattr(agent_checks, "_params_text", unread)
+    for n in (agent_checks.MAX_OVERRIDES + 1, 8000, 100_000):
         err = refused(run(repo, {f"k{i}": 1 for i in range(n)}), "request_too_large")
-        assert str(agent_api.MAX_OVERRIDES) in err["message"] or "characters" in err["message"]
+        assert str(agent_checks.MAX_OVERRIDES) in err["message"] or "characters" in err["message"]
     deep: list = []
     for _ in range(10_000):
         deep = [deep]
@@ -353,7 +353,7 @@ def test_huge_requests_are_refused_before_params_are_read(repo, fake, monkeypatc
 def test_error_report_is_linear_in_the_number_of_keys(repo, fake):
     """The most keys one request may carry, all unknown: every one is reported, the overridden keys first
     (the ordering used to compare every error with every key)."""
-    keys = {f"unknown{i}": 1 for i in range(agent_api.MAX_OVERRIDES)}
+    keys = {f"unknown{i}": 1 for i in range(agent_checks.MAX_OVERRIDES)}
     err = refused(run(repo, keys), "unknown_key")
     assert {e["key"] for e in err["errors"]} == set(keys)
 
@@ -713,9 +713,9 @@ def test_fuzz_the_agent_api(tmp_path, monkeypatch):
             return
         params = overrides.load(overrides.apply(text, args_))
         config.validate_params(params)
-        for key in agent_api.IMPORT_KEYS:
-            assert {n for n in agent_api._import_names(params, key) if ":" in n} <= set(
-                agent_api._import_names(base, key)
+        for key in agent_checks.IMPORT_KEYS:
+            assert {n for n in agent_checks._import_names(params, key) if ":" in n} <= set(
+                agent_checks._import_names(base, key)
             )
         acc = (repo / params["distributed"]["accelerate_config"]).resolve()
         assert acc.is_file() and acc.is_relative_to((repo / "configs/accelerate").resolve())
