@@ -14,6 +14,7 @@ import torch
 
 from agentrl import grpo, sft
 from agentrl.config import DERIVED, ParamsError, validate_params
+from agentrl.stage import peft_config
 from conftest import mini_params, raw_params, tiny_lm
 
 
@@ -72,7 +73,7 @@ def test_grpoconfig_knobs_no_code_names_reach_the_trainer(tmp_path, tiny_model_a
         args=grpo.grpo_config(params, output_dir=str(tmp_path)),
         train_dataset=ds,
         processing_class=tok,
-        peft_config=grpo.peft_config(params),
+        peft_config=peft_config(params, "grpo"),
     )
     assert {k: getattr(trainer.args, k) for k in knobs} == knobs
     # ... and the trainer itself runs with them
@@ -95,7 +96,7 @@ def test_loraconfig_pass_through(stage):
     p = raw_params()
     p[stage]["use_lora"] = True
     p[stage]["lora"] = knobs
-    cfg = (sft if stage == "sft" else grpo).peft_config(validate_params(p))
+    cfg = peft_config(validate_params(p), stage)
     got = {k: getattr(cfg, k) for k in knobs}
     got["target_modules"] = sorted(got["target_modules"])
     assert got == {**knobs, "target_modules": ["q_proj", "v_proj"]}
@@ -106,7 +107,7 @@ def test_loraconfig_pass_through(stage):
 def test_use_lora_false_means_full_finetuning(stage):
     p = raw_params()
     p[stage]["use_lora"] = False
-    assert (sft if stage == "sft" else grpo).peft_config(validate_params(p)) is None
+    assert peft_config(validate_params(p), stage) is None
 
 
 # ------------------------------------------------------------------------------------ mistakes named
@@ -281,7 +282,7 @@ def test_default_pipeline_values_unchanged(tmp_path):
     for stage in ("sft", "grpo"):
         p = raw_params()
         p[stage]["use_lora"] = True
-        lc = (sft if stage == "sft" else grpo).peft_config(validate_params(p))
+        lc = peft_config(validate_params(p), stage)
         assert (lc.r, lc.lora_alpha, lc.lora_dropout, lc.bias, lc.task_type) == (32, 64, 0.0, "none", "CAUSAL_LM")
         assert set(lc.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -336,6 +337,22 @@ def test_model_is_created_after_the_trl_config_in_its_dtype(stage, workdir, monk
         module.train(validate_params(p))
     assert events[0] == "config"
     assert events[-1] == ("model", "models/base", {"dtype": torch.float32, "attn_implementation": "eager"})
+
+
+def test_grpo_builds_its_rewards_once(workdir, monkeypatch):
+    """The stage builds the reward functions once (a custom one imports its module); GRPOConfig's
+    reward_weights are grpo.rewards' weights, not a second build."""
+    built = []
+    real = grpo.build_rewards
+    monkeypatch.setattr(grpo, "build_rewards", lambda *a: built.append(a) or real(*a))
+
+    def stop(*a, **k):
+        raise _Stop
+
+    monkeypatch.setattr(grpo, "load_tokenizer", stop)  # after the TRL config, before anything loads
+    with pytest.raises(_Stop):
+        grpo.train(validate_params(mini_params()))
+    assert len(built) == 1
 
 
 def test_load_model_in_target_dtype_and_attention(tmp_path, tiny_model_and_tokenizer):

@@ -1,11 +1,14 @@
 """Resuming is safe across launches (issue 19, items 1 and 8): the checkpoint fingerprint covers the launch
-configuration (accelerate config contents, process count, launch settings, resolved precision) and every
-file of every input model; a resumed run reports its own segment's speed, its DVCLive curves hold every
-step, and a `make repro` checkout then trains under ZeRO-2 / DDP from scratch instead of crashing."""
+configuration (accelerate config contents, process count, launch settings, resolved precision), every
+file of every input model and the stage's own code (its dvc.yaml deps, nothing else); a resumed run reports
+its own segment's speed, its DVCLive curves hold every step, and a `make repro` checkout then trains under
+ZeRO-2 / DDP from scratch instead of crashing."""
 
+import contextlib
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -15,8 +18,8 @@ from conftest import ROOT, mini_params, write_params
 
 
 def test_launch_environment_digest(workdir, monkeypatch):
-    from agentrl.common import run_environment_digest
     from agentrl.config import validate_params
+    from agentrl.stage import run_environment_digest
 
     cfg = workdir / "configs/accelerate/single.yaml"
     cfg.parent.mkdir(parents=True)
@@ -60,6 +63,47 @@ def test_model_files_digest_covers_every_shard(tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no weight file"):
         model_files_digest(empty)
+
+
+@pytest.mark.parametrize(
+    ("stage", "not_a_dep", "dep"), [("sft", "rewards.py", "data.py"), ("grpo", "serve.py", "rewards.py")]
+)
+def test_checkpoint_resumes_after_edits_outside_the_stage_code_only(stage, not_a_dep, dep, tmp_path, monkeypatch):
+    """The fingerprint's code is the stage's dvc.yaml deps under src/: editing another module (serve.py, or
+    rewards.py for sft) keeps a checkpoint resumable; editing one of its modules, or a file of a package
+    directory it depends on (envs/), trains from the start. __pycache__ files do not count."""
+    from agentrl import stage as skeleton
+    from agentrl.config import validate_params
+
+    repo = tmp_path / "repo"  # a copy of the code the fingerprint reads: edited here, not in the checkout
+    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    monkeypatch.setattr(skeleton, "REPO", repo)
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    args = SimpleNamespace(output_dir=str(ckpt), main_process_first=lambda **kw: contextlib.nullcontext())
+    params = validate_params(mini_params())
+
+    def resumes_after(edit: str | None) -> bool:
+        if edit:
+            f = repo / "src/agentrl" / edit
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text((f.read_text() if f.exists() else "") + "\n# edited\n")
+        return skeleton.resume_checkpoint(args, params, stage, "params and inputs") is not None
+
+    def interrupted_run():  # a checkpoint of a run killed halfway, under the fingerprint written last
+        (ckpt / "checkpoint-2").mkdir()
+        (ckpt / "checkpoint-2/trainer_state.json").write_text('{"global_step": 2, "max_steps": 4}')
+
+    assert not resumes_after(None)  # nothing to resume yet; the fingerprint is written
+    interrupted_run()
+    assert resumes_after(None)
+    assert resumes_after(not_a_dep)
+    assert resumes_after("envs/__pycache__/countdown.cpython-311.pyc")
+    assert not resumes_after(dep)  # the stale checkpoint is cleared, the new fingerprint written
+    interrupted_run()
+    assert resumes_after(None)
+    assert not resumes_after("envs/countdown.py")
 
 
 def _steps(tsv: Path) -> list[int]:

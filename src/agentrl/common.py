@@ -1,4 +1,6 @@
-"""Small shared helpers: logging, metrics files, device and precision choice."""
+"""Helpers the stages and scripts share: logging and process rank, atomic JSON files and each stage's metrics
+files (headline metrics and diagnostics, HEADLINE), precision and CPU threads, file and model-directory digests,
+and the resumable checkpoint of a training stage (the rest of the training stages' skeleton is in stage.py)."""
 
 from __future__ import annotations
 
@@ -147,12 +149,6 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
 def resolve_precision(precision: str) -> str:
     """'auto' -> fp32 on CPU (TRL's bf16 autocast is ~10x slower there), bf16 on GPUs that
     support it, fp16 on older GPUs. Explicit values are honoured."""
@@ -182,47 +178,6 @@ def torch_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[resolve_precision(precision)]
 
 
-def effective_batch(per_device: int, grad_accum: int) -> int:
-    return per_device * grad_accum * world_size()
-
-
-def scaled_learning_rate(lr: float, rule: str, effective: int, reference: int) -> float:
-    """The book's rule: scale the learning rate with the effective batch against a reference batch."""
-    if rule == "none":
-        return lr
-    ratio = effective / reference
-    return lr * (ratio**0.5 if rule == "sqrt" else ratio)
-
-
-def trainer_effective_batch(stage: str, trainer: dict) -> int:
-    """`<stage>.trainer`'s effective batch: per-device batch x processes x accumulation (TRL defaults for
-    what the section leaves out)."""
-    from .config import passthrough_value
-
-    path = f"{stage}.trainer"
-    return effective_batch(
-        passthrough_value(path, trainer, "per_device_train_batch_size"),
-        passthrough_value(path, trainer, "gradient_accumulation_steps"),
-    )
-
-
-def stage_learning_rate(stage: str, trainer: dict, distributed) -> float:
-    """`<stage>.trainer.learning_rate` (the reference learning rate; TRL's default when unset) after
-    distributed.scale_lr for the stage's effective batch. The stage hands the result to SFTConfig/GRPOConfig."""
-    from .config import passthrough_value
-
-    lr = passthrough_value(f"{stage}.trainer", trainer, "learning_rate")
-    return scaled_learning_rate(
-        lr, distributed.scale_lr, trainer_effective_batch(stage, trainer), distributed.reference_batch
-    )
-
-
-def fingerprint(*parts: Any) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def file_digest(path: str | Path) -> str:
     import hashlib
 
@@ -231,12 +186,6 @@ def file_digest(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()[:16]
-
-
-def code_files() -> list[Path]:
-    """The package's source files: part of a checkpoint's fingerprint, so a run resumes only with the
-    code that started it (a code change re-runs the stage from scratch, as DVC expects)."""
-    return sorted(Path(__file__).parent.glob("*.py"))
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -259,49 +208,6 @@ def model_files_digest(directory: str | Path) -> str:
     for p in files:
         h.update(f"{p.relative_to(directory).as_posix()}\0{file_digest(p)}\0".encode())
     return h.hexdigest()[:16]
-
-
-# accelerate passes the launch configuration to each process in ACCELERATE_* variables; these describe the
-# run's parallel layout (DeepSpeed stage, offload, mixed precision, FSDP ...). Debug/affinity ones do not.
-_IGNORED_ACCELERATE_ENV = {
-    "ACCELERATE_DEBUG_MODE",
-    "ACCELERATE_DEBUG_RDV_FILE",
-    "ACCELERATE_CPU_AFFINITY",
-    "ACCELERATE_LOG_LEVEL",
-}
-
-
-def run_environment_digest(params) -> dict:
-    """What makes a checkpoint of the same params incompatible or different across launches: the
-    accelerate config file (path and contents), the number of processes actually running, the launch
-    settings accelerate hands to the processes, the resolved precision and the device type. With it in
-    the fingerprint, `make repro` followed by `make train-zero2 NPROC=2` trains from scratch instead of
-    "resuming" a single-process checkpoint that DeepSpeed cannot load."""
-    d = params.distributed
-    cfg = Path(d.accelerate_config)
-    return {
-        "accelerate_config": d.accelerate_config,
-        "accelerate_config_sha": file_digest(cfg) if cfg.is_file() else "missing",
-        "distributed": d.model_dump(mode="json"),
-        "world_size": world_size(),
-        "launch_env": {
-            k: v
-            for k, v in sorted(os.environ.items())
-            if k.startswith("ACCELERATE_") and k not in _IGNORED_ACCELERATE_ENV
-        },
-        "precision": resolve_precision(params.model.precision),
-        "device": device_name(),
-    }
-
-
-def checkpoint_step(checkpoint: Optional[str | Path]) -> int:
-    """The optimizer step a checkpoint was saved at (0 for None): where a resumed run's segment starts."""
-    if not checkpoint:
-        return 0
-    state = Path(checkpoint) / "trainer_state.json"
-    if state.is_file():
-        return int(json.loads(state.read_text()).get("global_step", 0))
-    return int(str(checkpoint).rstrip("/").rsplit("-", 1)[-1])
 
 
 def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:

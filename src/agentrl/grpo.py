@@ -16,28 +16,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from typing import Optional
 
-from .common import (
-    checkpoint_step,
-    code_files,
-    configure_cpu_threads,
-    file_digest,
-    fingerprint,
-    get_logger,
-    is_main_process,
-    model_files_digest,
-    peak_rss_mb,
-    precision_kwargs,
-    resolve_precision,
-    resumable_checkpoint,
-    run_environment_digest,
-    stage_learning_rate,
-    torch_dtype,
-    world_size,
-)
-from .config import Params, ParamsError, build_passthrough, load_params_or_exit, passthrough_value
-from .modeling import STAGE_DIRS, attach, load_model, load_tokenizer, lora_config, save_stage_result
+from . import stage
+from .common import file_digest, get_logger, model_files_digest, resolve_precision, torch_dtype, world_size
+from .config import Params, ParamsError, passthrough_value
+from .modeling import STAGE_DIRS, attach, load_model, load_tokenizer
 from .rewards import build_rewards
 from .tools import episode_solved, toolset_from_params
 
@@ -79,26 +64,11 @@ def check_batch(params: Params, num_processes: int | None = None) -> int:
     return gen_batch
 
 
-def learning_rate(params: Params) -> float:
-    """grpo.trainer.learning_rate (the reference) after distributed.scale_lr for the effective batch."""
-    return stage_learning_rate("grpo", params.grpo.trainer, params.distributed)
-
-
 def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs):
-    """trl.GRPOConfig(**grpo.trainer) plus what the stage derives (config.DERIVED): output_dir, the scaled
-    learning rate, reward_weights from grpo.rewards, seed/data_seed, precision flags, tracking arguments."""
-    g = params.grpo
-    _, weights = build_rewards(g.rewards, g.reward_kwargs.model_dump())
-    return build_passthrough(
-        "grpo.trainer",
-        {**g.trainer, "learning_rate": learning_rate(params)},  # the reference lr, scaled
-        output_dir=output_dir,
-        reward_weights=weights,
-        seed=params.seed,
-        data_seed=params.seed,
-        **precision_kwargs(params.model.precision),
-        **tracking_kwargs,
-    )
+    """trl.GRPOConfig(**grpo.trainer) plus what the stage derives (stage.trainer_config) and reward_weights, the
+    weights of grpo.rewards."""
+    weights = [float(w) for w in params.grpo.rewards.values()]
+    return stage.trainer_config(params, "grpo", output_dir, reward_weights=weights, **tracking_kwargs)
 
 
 def check_generation(args) -> None:
@@ -114,10 +84,6 @@ def check_generation(args) -> None:
         raise ParamsError("grpo.trainer.use_vllm: vLLM generation needs a CUDA GPU (it is off on CPU); set it to false")
     if importlib.util.find_spec("vllm") is None:
         raise ParamsError("grpo.trainer.use_vllm: vllm is not installed (pip install vllm), or set it to false")
-
-
-def peft_config(params: Params):
-    return lora_config(params.grpo.lora, "grpo.lora") if params.grpo.use_lora else None
 
 
 def starting_model(params: Params | None = None):
@@ -136,7 +102,8 @@ class ToolRollout:
     (agent.generate_with_tools, the same loop evaluation and the server run). Returns per completion the
     prompt and completion ids, `env_mask` (0 on tool-inserted tokens: TRL turns it into the tool_mask that
     keeps them out of the loss) and the tool calls/errors, which reach reward functions as keyword arguments
-    `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py)."""
+    `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py) and
+    the tool-use curves (agent.tool_stats per batch of rollouts) until the trainer logs them (pop_curves)."""
 
     def __init__(self, toolset, rows: Optional[list[dict]] = None):
         self.toolset = toolset
@@ -146,6 +113,13 @@ class ToolRollout:
         self.seconds = 0.0
         self.completions = 0
         self.tokens = 0
+        self.curves: dict[str, list[float]] = defaultdict(list)
+
+    def pop_curves(self) -> dict[str, float]:
+        """tools/<stat> averaged over the batches since the last call, as TRL averages its own metrics."""
+        out = {k: sum(v) / len(v) for k, v in self.curves.items()}
+        self.curves.clear()
+        return out
 
     def __call__(self, prompts: list, trainer) -> dict:
         import torch
@@ -188,10 +162,9 @@ class ToolRollout:
         self.seconds += time.perf_counter() - t
         self.completions += len(rolls)
         self.tokens += sum(sum(r.env_mask) for r in rolls)
-        if self.toolset is not None and hasattr(trainer, "_metrics"):  # tool-use curves next to TRL's own
-            mode = "train" if trainer.model.training else "eval"
+        if self.toolset is not None:
             for k, v in tool_stats(rolls).items():
-                trainer._metrics[mode][f"tools/{k}"].append(v)
+                self.curves[f"tools/{k}"].append(v)
         out = {}
         if self.rows and self.toolset is not None:  # an environment with its own success rule decides `accuracy`
             rows = [self.rows.get(prompt_key(p), {}) for p in prompts]
@@ -276,21 +249,12 @@ def _series(history: list[dict], key: str) -> list[float]:
 
 def train(params: Params) -> dict:
     from datasets import load_dataset
-    from transformers import set_seed
     from trl import GRPOTrainer
 
-    from . import tracking
-
     gen_batch = check_batch(params)
-    set_seed(params.seed)
-    configure_cpu_threads()
     g = params.grpo
     funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
-    # the TRL config first: it stops on a bad grpo.trainer value before any work, and it registers the
-    # DeepSpeed config, so the model below is created ZeRO-3-partitioned (zero3_init_flag) in its target dtype
-    track = tracking.setup(params, "grpo")
-    callbacks = track.pop("callbacks")
-    args = grpo_config(params, **track)
+    args, callbacks = stage.start(params, "grpo", grpo_config)
     check_generation(args)
     tok = load_tokenizer(STAGE_DIRS["sft"])
     model = starting_model(params)
@@ -309,43 +273,45 @@ def train(params: Params) -> dict:
         g.use_lora,
         args.use_vllm and args.vllm_mode,
     )
-    key = fingerprint(
+    resume = stage.resume_checkpoint(
+        args,
+        params,
+        "grpo",
         params.seed,
         g.model_dump(),
         params.agent.model_dump(),
         params.environments,
         file_digest(DATA),
-        *(file_digest(p) for p in code_files()),
         model_files_digest(STAGE_DIRS["base"]),
         model_files_digest(STAGE_DIRS["sft"]),
-        run_environment_digest(params),
     )
-    with args.main_process_first(local=False, desc="checkpoint fingerprint"):  # rank 0 clears a stale dir first
-        resume = resumable_checkpoint(CHECKPOINTS, key)
-    if resume:
-        log.info("resuming from %s", resume)
     rollout, environment_factory = rollout_plan(params, args, tok, list(ds))
     finish = baked_tool_template(tok) if environment_factory else None
-    trainer = GRPOTrainer(
+
+    class GRPOWithToolCurves(GRPOTrainer):
+        def log(self, logs, start_time=None):  # the tool loop's curves (tools/*) join TRL's metrics in each log
+            logs.update(rollout.pop_curves() if rollout else {})
+            super().log(logs, start_time)
+
+    trainer = GRPOWithToolCurves(
         model=model,
         reward_funcs=funcs,
         args=args,
         train_dataset=ds,
         processing_class=tok,
-        peft_config=peft_config(params),
+        peft_config=stage.peft_config(params, "grpo"),
         callbacks=callbacks,
         rollout_func=rollout,
         environment_factory=environment_factory,
     )
     if finish:
         finish(trainer)
-    t0 = time.time()
-    out = trainer.train(resume_from_checkpoint=resume)
-    runtime = time.time() - t0
+    _, run = stage.train(trainer, resume)
     hist = trainer.state.log_history
     rewards, kls = _series(hist, "reward"), _series(hist, "kl")
     lengths = _series(hist, "completions/mean_length")
     k = max(1, len(rewards) // 5)
+    runtime = run["runtime_s"]
     metrics = {
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
@@ -354,10 +320,6 @@ def train(params: Params) -> dict:
         "kl_last": kls[-1] if kls else None,
         "completion_length_first": lengths[0] if lengths else None,
         "completion_length_last": lengths[-1] if lengths else None,
-        "steps": out.global_step,
-        "runtime_s": round(runtime, 2),
-        "steps_this_run": out.global_step - checkpoint_step(resume),  # a resumed run starts at its checkpoint
-        "seconds_per_step": round(runtime / max(1, out.global_step - checkpoint_step(resume)), 4),
         "completions_per_step": gen_batch,
         # measured around the rollout function (None when TRL generates itself: vLLM or agent.format chat)
         "generation_seconds": round(rollout.seconds, 2) if rollout else None,
@@ -369,34 +331,20 @@ def train(params: Params) -> dict:
         "tool_use_rate_last": (_series(hist, "tools/tool_use_rate") or [None])[-1],
         "tool_calls_per_completion_last": (_series(hist, "tools/tool_calls_per_problem") or [None])[-1],
         "tool_error_rate_last": (_series(hist, "tools/tool_error_rate") or [None])[-1],
-        "learning_rate": args.learning_rate,
         "beta": args.beta,
-        "resumed_from": resume,
-        "num_processes": trainer.accelerator.num_processes,
-        "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
+        **run,
     }
-    metrics["peak_rss_mb"] = peak_rss_mb()
-    save_stage_result(trainer, tok, STAGE_DIRS["grpo"], METRICS, metrics)
-    if is_main_process():
-        log.info(
-            "reward %.3f -> %.3f over %d steps (%.1fs); saved %s",
-            metrics["reward_mean_first_20pct"] or 0,
-            metrics["reward_mean_last_20pct"] or 0,
-            metrics["steps"],
-            runtime,
-            STAGE_DIRS["grpo"],
-        )
+    stage.save(trainer, tok, "grpo", METRICS, metrics)
+    log.info(
+        "reward %.3f -> %.3f over %d steps (%.1fs); saved %s",
+        metrics["reward_mean_first_20pct"] or 0,
+        metrics["reward_mean_last_20pct"] or 0,
+        metrics["steps"],
+        runtime,
+        STAGE_DIRS["grpo"],
+    )
     return metrics
 
 
-def main() -> None:
-    params = load_params_or_exit()
-    try:
-        train(params)
-    except (BatchConfigError, ParamsError) as e:  # ParamsError: a value GRPOConfig rejects, named by section
-        log.error("%s", e)
-        raise SystemExit(2) from None
-
-
 if __name__ == "__main__":
-    main()
+    stage.main("grpo", train, BatchConfigError)
