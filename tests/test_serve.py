@@ -69,9 +69,33 @@ def chat(server, **body):
 
 # ------------------------------------------------------------------------------------ basics
 def test_health(server, tiny_model_dir):
+    """/health reports where the model sits: on the GPU when there is one, in model.precision's dtype (auto:
+    float32 on CPU, bfloat16 on GPUs that support it, else float16)."""
+    import torch
+
     r = httpx.get(server + "/health").json()
     assert r["status"] == "ok" and r["model_loaded"] and r["model_path"] == str(tiny_model_dir)
-    assert r["device"] in ("cpu", "cuda")
+    cuda = torch.cuda.is_available()
+    assert r["device"] == ("cuda" if cuda else "cpu"), r
+    assert r["dtype"] == ("float32" if not cuda else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"), r
+
+
+def test_the_model_is_loaded_in_the_precision_params_name(tiny_model_dir, tmp_path, monkeypatch):
+    """The server loads the model as evaluation does (modeling.load_model in model.precision's dtype): an
+    explicit model.precision is honoured, on CPU too."""
+    from fastapi.testclient import TestClient
+
+    from agentrl.serve import app
+
+    cfg = mini_params()
+    cfg["model"]["precision"] = "bf16"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("AGENTRL_MODEL_PATH", str(tiny_model_dir))
+    monkeypatch.setenv("AGENTRL_PARAMS", str(tmp_path / "params.yaml"))
+    with TestClient(app) as c:
+        assert c.get("/health").json()["dtype"] == "bfloat16"
+        r = c.post("/generate", json={"text": "Tom has 3 apples.", "max_tokens": 4})
+        assert r.status_code == 200 and 1 <= r.json()["tokens"] <= 4, r.text
 
 
 def test_generate(server):
@@ -80,7 +104,7 @@ def test_generate(server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert set(body) == {"text", "answer", "confidence", "tokens", "tool_calls"}
-    assert isinstance(body["tool_calls"], list)  # the calls the server ran (none for this untrained model)
+    assert body["tool_calls"] == [] and "<<" not in body["text"]  # this untrained model writes no call: none ran
     assert 0 < body["confidence"] <= 1
     assert 1 <= body["tokens"] <= 12
 
@@ -160,7 +184,7 @@ def test_confidence_is_over_the_answer_tokens_only():
     from types import SimpleNamespace
 
     from agentrl.modeling import train_tokenizer
-    from agentrl.serve import Engine
+    from agentrl.serving.engine import Engine
 
     tok = train_tokenizer(["Tom has 3 apples. 3+4=7\n#### 7", "3+4=<<3+4=7>>7"] * 20, 320)
     engine = SimpleNamespace(tokenizer=tok)
@@ -190,7 +214,7 @@ def test_confidence_span_is_the_sampled_completion(lively_server, lively_model_d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.config import validate_params
-    from agentrl.serve import chat_prompt_ids
+    from agentrl.serving.engine import chat_prompt_ids
     from agentrl.tools import toolset_from_params
 
     server = lively_server
@@ -367,7 +391,7 @@ def test_tiny_temperature_is_greedy_not_a_500(server):
 def test_request_body_limit_is_413_and_big_prompts_do_not_block_the_event_loop(server):
     """A body over 1 MiB is refused with 413 at once; a large prompt under it is tokenized off the event
     loop: /health keeps answering while it is being processed."""
-    from agentrl.serve import MAX_REQUEST_BYTES
+    from agentrl.serving.errors import MAX_REQUEST_BYTES
 
     t0 = time.time()
     r = httpx.post(
@@ -401,7 +425,7 @@ def test_user_text_is_never_parsed_as_control_tokens(server, tiny_model_dir):
     """`<|im_start|>` typed by a user is plain text (several tokens), not a turn boundary (one token)."""
     from transformers import AutoTokenizer
 
-    from agentrl.serve import chat_prompt_ids
+    from agentrl.serving.engine import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")

@@ -311,7 +311,7 @@ def test_chat_format_round_trip_plain_and_streaming(chat_server, chat_model_dir)
     as tool_calls, the tool message is rendered as a `<tool_response>` turn."""
     from transformers import AutoTokenizer
 
-    from agentrl.serve import chat_prompt_ids
+    from agentrl.serving.engine import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(chat_model_dir)
     msgs = [{"role": "user", "content": QUESTION}]

@@ -33,7 +33,8 @@ class Hostile(LogitsProcessor):
 
 @pytest.fixture
 def client(tiny_model_dir, tmp_path, monkeypatch):
-    from agentrl import serve
+    from agentrl.serve import app
+    from agentrl.serving import engine
 
     cfg = mini_params()
     cfg["agent"].update(max_tool_calls=1)
@@ -41,13 +42,13 @@ def client(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRL_MODEL_PATH", str(tiny_model_dir))
     monkeypatch.setenv("AGENTRL_PARAMS", str(tmp_path / "params.yaml"))
     forcing = {"cls": ForceCalls}
-    real = serve.generate_with_tools
+    real = engine.generate_with_tools
 
     def forced(model, tok, prompts, toolset, *a, **kw):
         return real(model, tok, prompts, toolset, *a, logits_processor=LogitsProcessorList([forcing["cls"](tok)]), **kw)
 
-    monkeypatch.setattr(serve, "generate_with_tools", forced)
-    with TestClient(serve.app) as c:
+    monkeypatch.setattr(engine, "generate_with_tools", forced)
+    with TestClient(app) as c:
         c.forcing = forcing
         yield c
 

@@ -2,7 +2,7 @@
 request's tools and its tool-call history become the policy's prompt, and how the policy's call becomes
 `tool_calls` in the reply.
 
-The policy writes calls in its own format (`agent.format`, tools.py); this module maps that format to
+The policy writes calls in its own format (`agent.format`, agentrl/tools.py); this module maps that format to
 OpenAI's:
 
   inline  (the embedded default, GSM8K's calculator syntax) The request declares one function with one
@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from .tools import InlineFormat
+from ..tools import InlineFormat
 
 MAX_TOOLS = 128  # as OpenAI
 MAX_TOOLS_JSON = 64 * 1024  # characters of all tools' JSON together (the prompt of a chat-format policy)
@@ -147,7 +147,7 @@ class MessageToolCall(Body):
 
 # ------------------------------------------------------------------------------------- errors
 class ToolRequestError(ValueError):
-    """A request that cannot be served as asked; `param` names the field (serve.py renders it as a 400)."""
+    """A request that cannot be served as asked; `param` names the field (app.py renders it as a 400)."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)

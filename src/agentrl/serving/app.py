@@ -1,0 +1,249 @@
+"""The HTTP surface: the FastAPI app, its routes and the model's lifetime.
+
+Routes: POST /generate, POST /v1/chat/completions (OpenAI-compatible, streaming in streaming.py, client-side
+function calling in openai_tools.py), GET /v1/models, GET /v1/models/{id}, GET /health. A route validates what
+pydantic cannot (schema.py), tokenizes through `Engine.prompt` and asks `complete()` for the completion
+(engine.py); errors are rendered by errors.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..common import torch_dtype
+from ..config import AgentParams, ModelParams, ServeParams, load_params
+from .engine import Engine, Sampling, complete
+from .errors import HANDLERS, MAX_REQUEST_BYTES, ApiError, BodyLimit
+from .openai_tools import ToolPlan, ToolRequestError, control_token_in, parse_calls, plan_tools, render_conversation
+from .schema import DEFAULT_MAX_TOKENS, ChatRequest, GenerateRequest, GenerateResponse, usage
+from .streaming import chat_stream
+
+
+def _settings() -> tuple[str, ServeParams, AgentParams, ModelParams]:
+    params_file = os.environ.get("AGENTRL_PARAMS", "params.yaml")
+    if os.path.exists(params_file):
+        params = load_params(params_file)
+        cfg, agent, model = params.serve, params.agent, params.model
+    else:
+        cfg, agent, model = ServeParams(), AgentParams(), ModelParams()
+    return os.environ.get("AGENTRL_MODEL_PATH", cfg.model_path), cfg, agent, model
+
+
+def check_model_dir(path: str) -> None:
+    """The server serves a local model directory only: a missing one is named, never looked up on the hub."""
+    source = "AGENTRL_MODEL_PATH" if "AGENTRL_MODEL_PATH" in os.environ else "serve.model_path"
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"{source}={path}: model directory not found (run `dvc repro export` for "
+            f"models/merged, or point {source} at a saved model directory)"
+        )
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{source}={path}: not a saved model directory (no config.json)")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    path, cfg, agent, model = _settings()
+    check_model_dir(path)
+    engine = Engine(path, cfg, agent, torch_dtype(model.precision))  # as evaluation loads the policy
+    app.state.engine = engine
+    task = asyncio.create_task(engine.worker())
+    yield
+    task.cancel()
+    engine.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+    engine.model_pool.shutdown(wait=False, cancel_futures=True)
+
+
+app = FastAPI(title="agentrl", lifespan=lifespan, exception_handlers=HANDLERS)
+app.add_middleware(BodyLimit, max_bytes=MAX_REQUEST_BYTES)
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+@app.get("/health")
+async def health(request: Request):
+    e = _engine(request)
+    return {
+        "status": "ok",
+        "model_loaded": e.model is not None,
+        "model_path": e.path,
+        "device": e.model.device.type,
+        "dtype": str(e.model.dtype).removeprefix("torch."),
+        "context": e.context,
+        "batches_run": e.batches,
+        "tokens_generated": e.tokens_generated,
+        "jobs_cancelled": e.jobs_cancelled,
+    }
+
+
+def _model_card(e: Engine) -> dict:
+    config = Path(e.path) / "config.json"
+    return {
+        "id": e.path,  # the served model directory (the `model` of a request is not checked against it)
+        "object": "model",
+        "created": int(config.stat().st_mtime) if config.exists() else 0,
+        "owned_by": "agentrl",
+        "max_model_len": e.context,
+        "tool_call_format": e.format,
+    }
+
+
+@app.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(_engine(request))]}
+
+
+@app.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    card = _model_card(_engine(request))
+    if model_id != card["id"]:
+        raise ApiError(
+            "model",
+            f"the model {model_id!r} does not exist; this server serves {card['id']!r}",
+            404,
+            code="model_not_found",
+        )
+    return card
+
+
+@app.post("/generate", response_model=GenerateResponse)
+async def generate(req: GenerateRequest, request: Request):
+    e = _engine(request)
+    if not req.text.strip():
+        raise ApiError("text", "must be a non-empty string")
+    ids = await e.prompt([{"role": "user", "content": req.text}], req.max_tokens, "text")
+    r = await complete(e, ids, Sampling(req.max_tokens, req.temperature), request=request)
+    return GenerateResponse(
+        text=r["text"], answer=r["answer"], confidence=r["confidence"], tokens=r["tokens"], tool_calls=r["tool_calls"]
+    )
+
+
+def _chat_sampling(req: ChatRequest, e: Engine) -> Sampling:
+    if req.n not in (None, 1):
+        raise ApiError("n", f"only n=1 is supported, got {req.n}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise ApiError(name, "not supported by this server (only 0)")
+    if req.logprobs:
+        raise ApiError("logprobs", "not supported by this server")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options", "only allowed with stream=true")
+    which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, e.cfg.max_tokens_limit)
+    if not 1 <= max_tokens <= e.cfg.max_tokens_limit:
+        raise ApiError(which, f"must be between 1 and {e.cfg.max_tokens_limit}, got {max_tokens}")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return Sampling(max_tokens, req.temperature or 0.0, req.top_p or 1.0, req.seed, stop)
+
+
+def _chat_messages(req: ChatRequest) -> list[dict]:
+    """The request's messages as dicts ({role, content, tool_calls, tool_call_id}), each checked for the fields
+    its role allows; `developer` is rendered as `system`."""
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise ApiError(f"messages.{i}.content", "required (only an assistant message with tool_calls may omit it)")
+        if m.tool_calls and m.role != "assistant":
+            raise ApiError(f"messages.{i}.tool_calls", "only an assistant message carries tool calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise ApiError(f"messages.{i}.tool_call_id", "only a tool message answers a tool call")
+        content = m.text()
+        if not content.strip() and m.role != "assistant":
+            raise ApiError(f"messages.{i}.content", "must be non-empty")
+        out.append(
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": content,
+                "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None,
+                "tool_call_id": m.tool_call_id,
+            }
+        )
+    if out[-1]["role"] == "assistant":
+        raise ApiError(
+            f"messages.{len(out) - 1}.role",
+            "the last message must not be the assistant's (continuing an assistant message is not supported)",
+        )
+    return out
+
+
+async def _chat_prompt(e: Engine, req: ChatRequest, sampling: Sampling, plan: Optional[ToolPlan]) -> list[int]:
+    """Prompt ids of a chat request: the plain template rendering, or (tools in the request or tool calls in its
+    history) the conversation rendered in the policy's call format (openai_tools.render_conversation)."""
+    messages = _chat_messages(req)
+    if plan is None and not any(m["tool_calls"] or m["tool_call_id"] is not None for m in messages):
+        return await e.prompt(
+            [{"role": m["role"], "content": m["content"]} for m in messages], sampling.max_tokens, "messages"
+        )
+    try:
+        rendered, continuation = render_conversation(messages, e.format)
+    except ToolRequestError as x:
+        raise ApiError(x.param, x.message) from None
+    kw = None
+    if plan is not None and e.format == "chat":
+        kw = {**e.template_kwargs, "tools": plan.template_tools()}
+    if e.format == "chat":  # what the template renders itself (tools, call arguments) must not spell control tokens
+        specials = [t for t in e.encoder.all_special_tokens if t]
+        for where, value in [("tools", plan.template_tools() if plan else [])] + [
+            (f"messages.{i}.tool_calls", m["tool_calls"]) for i, m in enumerate(messages) if m["tool_calls"]
+        ]:
+            hit = control_token_in(value, specials)
+            if hit:
+                raise ApiError(
+                    where, f"contains the control token {hit!r}, which the chat template would not keep as text"
+                )
+    return await e.prompt(
+        rendered, sampling.max_tokens, "messages", kw, tuple(continuation), plan.prefix if plan is not None else ""
+    )
+
+
+@app.post("/v1/chat/completions")
+async def chat(req: ChatRequest, request: Request):
+    e = _engine(request)
+    sampling = _chat_sampling(req, e)
+    try:
+        plan = plan_tools(e.format, req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolRequestError as x:
+        raise ApiError(x.param, x.message) from None
+    ids = await _chat_prompt(e, req, sampling, plan)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or e.path
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            chat_stream(e, ids, sampling, cid, created, model, include_usage, plan),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+        )
+    r = await complete(e, ids, sampling, request=request, plan=plan)
+    message: dict = {"role": "assistant", "content": r["text"]}
+    finish = r["finish_reason"]
+    if plan is not None:
+        content, calls = parse_calls(plan.prefix + r["text"], plan, r["called"])
+        message["content"] = content
+        if calls:
+            message["tool_calls"], finish = calls, "tool_calls"
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": usage(r),
+            "answer": r["answer"],
+            "confidence": r["confidence"],
+            "tool_calls": r["tool_calls"],  # the calls the server ran (their results are in the content)
+        }
+    )
