@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src/agentrl"
 
 def package_imports(module: str, src: Path = SRC) -> set[str]:
     """The package modules `module` imports itself, at module level or inside functions: `from .x import y`,
-    `from . import x`, `from agentrl.x import y`, `import agentrl.x`."""
+    `from . import x`, `from agentrl.x import y`, `import agentrl.x`, and in a subpackage `from ..x import y`."""
     import ast
 
     found = set()
@@ -38,7 +38,7 @@ def package_imports(module: str, src: Path = SRC) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 1 and "/" in module:
             continue  # inside a subpackage: `from . import x` is the subpackage itself, its directory is the dep
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
+        if isinstance(node, ast.ImportFrom) and node.level == ("/" in module) + 1:  # `from ..x` in a subpackage
             found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("agentrl."):
             found.add(node.module.split(".")[1])
@@ -61,7 +61,8 @@ def local_imports(module: str, src: Path = SRC) -> set[str]:
 
 def import_cycle(src: Path = SRC) -> list[str]:
     """One import cycle among the package's modules (['a', 'b', 'a']), or [] when there is none."""
-    graph = {p.stem: package_imports(p.stem, src) for p in src.glob("*.py")}
+    modules = [p.stem for p in src.glob("*.py")] + [p.name for p in src.iterdir() if (p / "__init__.py").exists()]
+    graph = {m: package_imports(m, src) for m in modules}
     done, path = set(), []
 
     def visit(m):
@@ -96,6 +97,11 @@ def test_import_cycle_finder_finds_one(tmp_path):
     assert import_cycle(tmp_path) == ["a", "b", "a"]
     (tmp_path / "b.py").write_text("import json\n")
     assert import_cycle(tmp_path) == []
+    (tmp_path / "pkg").mkdir()  # a subpackage that imports back the module importing it
+    (tmp_path / "pkg/__init__.py").write_text("")
+    (tmp_path / "pkg/m.py").write_text("from ..c import f\n")
+    (tmp_path / "c.py").write_text("from .a import f\nfrom .pkg.m import g\n")
+    assert import_cycle(tmp_path) == ["c", "pkg", "c"]
 
 
 def test_number_parsing_is_not_in_the_rewards_dependency_chain_of_data_stages():
@@ -134,13 +140,12 @@ def test_prepare_stage_caching(repo):
     out = run(["dvc", "repro", "prepare"], repo).stdout
     assert ran_stages(out) == ["prepare"]
     assert (repo / "data/prepared/test.jsonl").exists() and (repo / "metrics/prepare.json").exists()
-    assert "up to date" in run(["dvc", "status", "prepare"], repo).stdout.lower() or run(
-        ["dvc", "status", "prepare"], repo
-    ).stdout.strip() in ("", "Data and pipelines are up to date.")
+    assert json.loads(run(["dvc", "status", "--json", "prepare"], repo).stdout) == {}  # nothing changed
     assert ran_stages(run(["dvc", "repro", "prepare"], repo).stdout) == []
     set_param(repo / "params.yaml", "grpo.trainer.learning_rate", 1e-5)
     assert ran_stages(run(["dvc", "repro", "prepare"], repo).stdout) == []
     set_param(repo / "params.yaml", "data.max_samples", 50)
+    assert list(json.loads(run(["dvc", "status", "--json", "prepare"], repo).stdout)) == ["prepare"]  # changed
     assert ran_stages(run(["dvc", "repro", "prepare"], repo).stdout) == ["prepare"]
     assert json.loads((repo / "metrics/prepare.json").read_text())["written"]["sft_train"] == 50
 
