@@ -87,7 +87,9 @@ def live_server(model_dir, tmp_path, fmt: str, policy: dict):
     keyword arguments) is read at every generate call, so a test can change it without a restart."""
     import uvicorn
 
-    from agentrl import agent, serve
+    from agentrl import agent
+    from agentrl.serve import app
+    from agentrl.serving import engine
 
     cfg = mini_params()
     cfg["serve"].update(max_tokens_limit=160, batch_wait_ms=5)
@@ -101,9 +103,9 @@ def live_server(model_dir, tmp_path, fmt: str, policy: dict):
         lp = LogitsProcessorList([Policy(tok, fmt, **policy)])
         return agent.generate_with_tools(model, tok, prompts, toolset, *a, logits_processor=lp, **kw)
 
-    mp.setattr(serve, "generate_with_tools", forced)
+    mp.setattr(engine, "generate_with_tools", forced)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(serve.app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
