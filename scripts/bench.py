@@ -57,7 +57,7 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from agentrl import sft
+    from agentrl import sft, stage
     from agentrl.modeling import STAGE_DIRS, load_model, load_tokenizer
 
     tok = load_tokenizer(STAGE_DIRS["base"])
@@ -68,10 +68,10 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
     if params.sft.use_lora:
         from peft import get_peft_model
 
-        plain = get_peft_model(plain, sft.peft_config(params))
+        plain = get_peft_model(plain, stage.peft_config(params, "sft"))
     plain.train()
     opt = torch.optim.AdamW(
-        [p for p in plain.parameters() if p.requires_grad], lr=sft.learning_rate(params), fused=True
+        [p for p in plain.parameters() if p.requires_grad], lr=stage.learning_rate(params, "sft"), fused=True
     )
     batches: list[dict] = []
     trainer_s: list[float] = []
@@ -120,7 +120,7 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
             args=args,
             train_dataset=ds,
             processing_class=tok,
-            peft_config=sft.peft_config(params),
+            peft_config=stage.peft_config(params, "sft"),
             callbacks=[Paired()],
         )
         collate = trainer.data_collator
@@ -172,7 +172,7 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from agentrl import grpo
+    from agentrl import grpo, stage
     from agentrl.modeling import STAGE_DIRS, load_tokenizer
     from agentrl.rewards import build_rewards
 
@@ -206,7 +206,7 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
             args=args,
             train_dataset=ds,
             processing_class=tok,
-            peft_config=grpo.peft_config(params),
+            peft_config=stage.peft_config(params, "grpo"),
             callbacks=[Timer()],
             rollout_func=rollout,
             tools=tools,

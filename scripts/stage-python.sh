@@ -28,4 +28,8 @@ if ! "$py" -c "import agentrl" 2>/dev/null; then
   echo "scripts/stage-python.sh: $py ($how) cannot import agentrl; run 'make setup' in the repository or set AGENTRL_PYTHON to the project's interpreter" >&2
   exit 3
 fi
+# A fixed hash seed: PEFT keeps LoRA's target_modules in a set, so adapter_config.json's order (and the md5 DVC
+# records for models/sft and models/grpo) otherwise changes from run to run while the weights do not.
+PYTHONHASHSEED=${PYTHONHASHSEED:-0}
+export PYTHONHASHSEED
 exec "$py" "$@"

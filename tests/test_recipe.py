@@ -38,7 +38,7 @@ def stand_in(tmp_path):
 
 
 def test_recipe_overrides_reach_every_config(tmp_path, stand_in):
-    from agentrl import grpo, sft
+    from agentrl import grpo, sft, stage
     from agentrl.base import load_tokenizer_hub
     from agentrl.config import load_params, load_yaml
     from agentrl.modeling import bake_chat_template_kwargs, load_model
@@ -63,8 +63,8 @@ def test_recipe_overrides_reach_every_config(tmp_path, stand_in):
     built = {
         "sft.trainer": sft.sft_config(params, output_dir=str(tmp_path / "s")),
         "grpo.trainer": grpo.grpo_config(params, output_dir=str(tmp_path / "g")),
-        "sft.lora": sft.peft_config(params),
-        "grpo.lora": grpo.peft_config(params),
+        "sft.lora": stage.peft_config(params, "sft"),
+        "grpo.lora": stage.peft_config(params, "grpo"),
     }
     checked = 0
     for key, _value in recipe_leaves:
