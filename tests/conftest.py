@@ -66,6 +66,20 @@ def mini_params() -> dict:
     return p
 
 
+def make_toolset(names, fmt, **kw):
+    """A Toolset with params.yaml's agent knobs (max_tool_calls, max_expression_chars, tool_timeout_s) unless
+    `kw` sets them (Toolset has no defaults of its own: params.yaml is where they live)."""
+    from agentrl.tools import Toolset
+
+    agent = raw_params()["agent"]
+    knobs = {
+        "max_calls": agent["max_tool_calls"],
+        "max_expression_chars": agent["max_expression_chars"],
+        "timeout_s": agent["tool_timeout_s"],
+    }
+    return Toolset(names, fmt, **{**knobs, **kw})
+
+
 def tiny_lm(texts: list[str], vocab_size: int, seed: int = 0, **model_params):
     """(tokenizer, model): the project's tiny Qwen3 builder at the tests' smallest size (one 32-wide layer
     unless `model_params` say otherwise), tokenizer trained on `texts`."""
@@ -73,7 +87,8 @@ def tiny_lm(texts: list[str], vocab_size: int, seed: int = 0, **model_params):
     from agentrl.modeling import build_tiny_model, train_tokenizer
 
     tok = train_tokenizer(texts, vocab_size)
-    return tok, build_tiny_model(tok, TinyModelParams(**{**TINY_DIMS, **model_params}), seed)
+    dims = {**raw_params()["model"]["tiny"], **TINY_DIMS, **model_params}  # params.yaml's, shrunk
+    return tok, build_tiny_model(tok, TinyModelParams(**dims), seed)
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from agentrl.agent import generate_with_tools, sft_features, tokenize_trace, tool_stats
 from agentrl.data import generate_synthetic
-from agentrl.tools import Toolset, calculator, call_tool, get_tool, split_annotated
-from conftest import tiny_lm
+from agentrl.tools import calculator, call_tool, get_tool, split_annotated
+from conftest import make_toolset, tiny_lm
 
 
 # ----------------------------------------------------------------------------------- calculator
@@ -126,7 +126,7 @@ class ForceCalls(LogitsProcessor):
 
 def test_loop_greedy_batched_equals_one_by_one_and_masks_exactly_the_tool_tokens(tiny):
     tok, model, prompts, _ = tiny
-    ts = Toolset(["calculator"], "inline", max_calls=3)
+    ts = make_toolset(["calculator"], "inline", max_calls=3)
     lp = LogitsProcessorList([ForceCalls(tok, calls=2)])
     batched = generate_with_tools(model, tok, prompts, ts, 40, batch_size=len(prompts), logits_processor=lp)
     sevens = generate_with_tools(model, tok, prompts, ts, 40, batch_size=7, logits_processor=lp)
@@ -153,7 +153,7 @@ def test_loop_greedy_batched_equals_one_by_one_and_masks_exactly_the_tool_tokens
 
 def test_loop_without_calls_is_plain_generation(tiny):
     tok, model, prompts, _ = tiny
-    ts = Toolset(["calculator"], "inline")
+    ts = make_toolset(["calculator"], "inline")
     with_tools = generate_with_tools(model, tok, prompts, ts, 24, batch_size=5)
     without = generate_with_tools(model, tok, prompts, None, 24, batch_size=5)
     for a, b in zip(with_tools, without):
@@ -182,7 +182,7 @@ def test_sft_tokenization_equals_the_loop_tokens_for_the_same_trace(tiny):
     traces = [tokenize_trace(tok, p, split_annotated(r["answer"])) for p, r in zip(prompts, test)]
     proc = Script(tok, [t["completion_ids"] for t in traces], [len(t["prompt_ids"]) for t in traces])
     proc.want_prompts = [t["prompt_ids"] for t in traces]
-    ts = Toolset(["calculator"], "inline")
+    ts = make_toolset(["calculator"], "inline")
     out = generate_with_tools(model, tok, prompts, ts, 200, batch_size=5, logits_processor=LogitsProcessorList([proc]))
     for t, r, p, row in zip(traces, out, prompts, test):
         roll = r[0]
@@ -209,7 +209,7 @@ def test_tool_call_limit_ends_the_completion_and_errors_are_counted(tiny):
                     scores[r, tok.convert_tokens_to_ids(nxt)] = 0
             return scores
 
-    ts = Toolset(["calculator"], "inline", max_calls=2)
+    ts = make_toolset(["calculator"], "inline", max_calls=2)
     out = generate_with_tools(
         model, tok, prompts[:3], ts, 80, batch_size=3, logits_processor=LogitsProcessorList([Bad()])
     )
@@ -229,7 +229,7 @@ def test_chat_format_loop_runs_qwen3_style_tool_calls(tiny):
     saved = tok.chat_template
     tok.chat_template = qwen3_chat_template
     try:
-        ts = Toolset(["calculator"], "chat", max_calls=2)
+        ts = make_toolset(["calculator"], "chat", max_calls=2)
         rendered = tok.apply_chat_template(
             prompts[0], add_generation_prompt=True, tokenize=False, **ts.chat_template_kwargs()
         )

@@ -121,35 +121,34 @@ def test_largest_seed_is_valid():
     assert validate_params(p).seed == 2**32 - 1
 
 
-PENDING_SECTIONS: set[str] = set()  # sections whose schema defaults may (temporarily) disagree with params.yaml
-
-
-def _schema_defaults(model, raw, path=""):
+def _fields(model, path=""):
     from pydantic import BaseModel
-    from pydantic_core import PydanticUndefined
 
     for name, field in model.model_fields.items():
         where = f"{path}.{name}" if path else name
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            yield from _schema_defaults(ann, (raw or {}).get(name), where)
-            continue
-        if field.default is PydanticUndefined and field.default_factory is None:
-            continue  # required: params.yaml is the only source
-        default = field.default_factory() if field.default is PydanticUndefined else field.default
-        yield where, default, (raw or {}).get(name, "<missing in params.yaml>")
+        yield where, field
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _fields(field.annotation, where)
 
 
-def test_one_source_of_defaults():
-    """Every schema default equals params.yaml's value (sft/grpo have none: pass-through sections and their
-    project keys are required, TRL/PEFT defaults apply to what params.yaml leaves out)."""
-    from agentrl.config import GRPOParams, Params, SFTParams
+def test_params_yaml_is_the_one_place_a_default_lives():
+    """No schema field has a default (params.yaml holds every value; TRL/PEFT defaults apply to what the
+    pass-through sections leave out), so a key missing from a params file is an error naming it."""
+    from agentrl.config import Params
 
-    disagree = {
-        where
-        for where, default, value in _schema_defaults(Params, raw_params())
-        if default != value and where.split(".")[0] not in PENDING_SECTIONS
-    }
-    assert disagree == set()
-    for model in (SFTParams, GRPOParams):
-        assert all(f.is_required() for name, f in model.model_fields.items() if name != "reward_kwargs")
+    fields = dict(_fields(Params))
+    assert len(fields) > 80, len(fields)  # the walk reached the nested sections
+    assert [where for where, f in fields.items() if not f.is_required()] == []
+    raw = raw_params()
+    del raw["agent"]["tool_timeout_s"], raw["data"]["synthetic"]["steps"]
+    with pytest.raises(ParamsError) as e:
+        validate_params(raw)
+    assert "agent.tool_timeout_s: Field required" in str(e.value)
+    assert "data.synthetic.steps: Field required" in str(e.value)
+    # the tool loop's knobs reach Toolset from params only (it had its own defaults once)
+    import inspect
+
+    from agentrl.tools import Toolset
+
+    sig = inspect.signature(Toolset.__init__).parameters
+    assert all(sig[k].default is inspect.Parameter.empty for k in ("max_calls", "max_expression_chars", "timeout_s"))

@@ -23,7 +23,7 @@ from agentrl.agent import generate_with_tools
 from agentrl.data import messages
 from agentrl.envs import countdown, gridworld
 from agentrl.tools import Toolset
-from conftest import tiny_lm
+from conftest import make_toolset, tiny_lm
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -63,7 +63,7 @@ def lm():
     probe.chat_template = qwen3_chat_template
     texts = []
     for env in ("countdown", "gridworld"):
-        kw = Toolset(None, "chat", environment=env).chat_template_kwargs()
+        kw = make_toolset(None, "chat", environment=env).chat_template_kwargs()
         for q in (countdown.question([3, 5, 3], 24, True), gridworld.question(GRID)):
             texts.append(probe.apply_chat_template(prompt_of(q), add_generation_prompt=True, tokenize=False, **kw))
     texts += [call("check", expression="(3+5)*3"), call("move", direction="right"), "#### (3+5)*3 18 low 24 yes"]
@@ -115,7 +115,7 @@ def run_both(lm, tmp_path, environment, rows: list[dict], questions: list[str], 
     from agentrl.rewards import accuracy
 
     tok, model = lm
-    toolset = environment if isinstance(environment, Toolset) else Toolset(None, "chat", environment=environment)
+    toolset = environment if isinstance(environment, Toolset) else make_toolset(None, "chat", environment=environment)
     prompts = [prompt_of(q) for q in questions]
     ctk = toolset.chat_template_kwargs()
     prompt_ids = [
@@ -241,7 +241,7 @@ def test_calculator_with_a_failing_call_matches_trl(lm, tmp_path):
     renders a raised exception its own way: see the xfail below)."""
     tok, _ = lm
     turns = [[call("calculator", expression="6/0"), call("calculator", expression="6*7"), "#### 42"]] * 2
-    ts = Toolset(["calculator"], "chat")
+    ts = make_toolset(["calculator"], "chat")
     ours, out, _ = run_both(lm, tmp_path, ts, [{"id": "a"}, {"id": "b"}], ["What is 6*7?"] * 2, turns, 300)
     assert [(c["result"], c["ok"]) for c in ours[0].calls] == [("error: division by zero", False), ("42", True)]
     assert_same(ours, out, tok)
@@ -276,7 +276,7 @@ class Raising:
 def test_custom_tool_that_raises_or_answers_a_non_string_differs_from_trl(lm, tmp_path, kind):
     tok, _ = lm
     turns = [[call("act", kind=kind), "#### 1"]] * 2
-    ts = Toolset(None, "chat", environment=f"{__name__}:Raising")
+    ts = make_toolset(None, "chat", environment=f"{__name__}:Raising")
     ours, out, _ = run_both(lm, tmp_path, ts, [{"id": "a"}, {"id": "b"}], ["Act."] * 2, turns, 200)
     assert ours[0].calls[0]["result"] == ("error: RuntimeError: boom" if kind == "raise" else "null")
     assert_same(ours, out, tok)

@@ -15,8 +15,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from agentrl.agent import Rollout, generate_with_tools, sft_features, tokenize_trace
 from agentrl.data import messages
 from agentrl.envs import countdown, gridworld
-from agentrl.tools import Call, Toolset, split_annotated
-from conftest import mini_params, tiny_lm
+from agentrl.tools import Call, split_annotated
+from conftest import make_toolset, mini_params, tiny_lm
 
 HERE = __name__  # environments defined below are named "<this module>:Class", as agent.environment names them
 RELEASE = threading.Event()  # lets a hung tool (or reset) return once the test is over
@@ -158,7 +158,7 @@ def run_inline(tiny, toolset, scripts, rows=None, num_samples=1, budget=400, bat
 
 # ----------------------------------------------------------------------------------- 2. robustness
 def test_hostile_environment_never_stops_the_loop_and_each_failure_is_a_counted_result(tiny):
-    ts = Toolset(None, "inline", max_calls=8, environment=f"{HERE}:Hostile", timeout_s=0.5)
+    ts = make_toolset(None, "inline", max_calls=8, environment=f"{HERE}:Hostile", timeout_s=0.5)
     kinds = ["none", "dict", "huge", "markers", "raise", "hang", "ok"]
     scripts = [
         ("Q hostile", [f"<<{k}=" for k in kinds] + ["\n#### 1"]),
@@ -187,7 +187,7 @@ def test_hostile_environment_never_stops_the_loop_and_each_failure_is_a_counted_
 
 @pytest.mark.parametrize("cls", ["BadReset", "HangingReset"])
 def test_environment_whose_reset_raises_or_hangs_gives_error_results(tiny, cls):
-    ts = Toolset(None, "inline", max_calls=4, environment=f"{HERE}:{cls}", timeout_s=0.5)
+    ts = make_toolset(None, "inline", max_calls=4, environment=f"{HERE}:{cls}", timeout_s=0.5)
     scripts = [("Q one", ["<<a=", "<<b=", "\n#### 1"]), ("Q two", ["<<c=", "\n#### 2"])]
     out = run_inline(tiny, ts, scripts, rows=[{"id": "r1"}, {"id": "r2"}])
     want = "error: environment reset failed: " + (
@@ -200,7 +200,7 @@ def test_environment_whose_reset_raises_or_hangs_gives_error_results(tiny, cls):
 
 def test_episode_run_turns_every_bad_call_into_an_error_result():
     """The chat format's ways to call wrongly: unknown tool, malformed JSON, wrong argument, oversized argument."""
-    ts = Toolset(None, "chat", environment=f"{HERE}:Hostile", timeout_s=0.5)
+    ts = make_toolset(None, "chat", environment=f"{HERE}:Hostile", timeout_s=0.5)
     ep = ts.episode({})
     assert ep.run(Call("nope", {})) == ("error: unknown tool 'nope'; available: act", False)
     assert ts.format.open_call('<tool_call>\n{"name": "act", "arguments": [1]}\n</tool_call>', at_eos=True).name == (
@@ -219,7 +219,7 @@ def test_episode_run_turns_every_bad_call_into_an_error_result():
 def test_each_completion_and_each_row_gets_its_own_gridworld(tiny):
     """Two samples of one prompt and two prompts in one batch: the same forced moves in every completion; each
     sees exactly what a fresh environment of its own answers (a shared agent would be moved twice as far)."""
-    ts = Toolset(None, "inline", max_calls=8, environment="gridworld", env_kwargs={"slip_prob": 0.0})
+    ts = make_toolset(None, "inline", max_calls=8, environment="gridworld", env_kwargs={"slip_prob": 0.0})
     a = {"id": "a", "grid": ["S...", "....", "....", "...G"], "start": [0, 0], "goal": [3, 3], "seed": 1}
     b = {"id": "b", "grid": ["...S", "....", ".O..", "G..."], "start": [0, 3], "goal": [3, 0], "seed": 2}
     moves = {"a": ["right", "right", "down"], "b": ["down", "left", "left"]}
@@ -242,7 +242,7 @@ def test_each_completion_and_each_row_gets_its_own_gridworld(tiny):
 
 
 def test_no_state_crosses_rows_samples_or_batches(tiny):
-    ts = Toolset(None, "inline", max_calls=4, environment=f"{HERE}:Tally")
+    ts = make_toolset(None, "inline", max_calls=4, environment=f"{HERE}:Tally")
     scripts = [("Q first", ["<<x=", "<<y=", "\n#### 1"]), ("Q second", ["<<z=", "\n#### 2"])]
     rows = [{"id": "A"}, {"id": "B"}]
     for _ in range(2):  # a second batch starts from fresh instances too
@@ -287,7 +287,7 @@ def test_sft_features_equal_the_loop_tokens_for_the_same_demo(tiny, name, fmt):
     if fmt == "chat":
         tok.chat_template = qwen3
     try:
-        ts = Toolset(None, fmt, max_calls=12, environment=name, eos_token=tok.eos_token)
+        ts = make_toolset(None, fmt, max_calls=12, environment=name, eos_token=tok.eos_token)
         rows = env_rows(name, 3, seed=5)
         if name == "countdown":
             assert any(r["demo_failed_tries"] for r in rows)  # a demo with a failed try, then the fix
@@ -335,7 +335,7 @@ def _rollout(ts, row: dict, calls: list[str], text: str) -> Rollout:
 def test_score_judges_countdown_by_its_checker_and_reports_recovery():
     from agentrl.evaluate import score
 
-    ts = Toolset(None, "inline", environment="countdown")
+    ts = make_toolset(None, "inline", environment="countdown")
     row = {"id": "c", "question": "q", "numbers": [3, 5, 3], "target": 24, "ground_truth": "24"}
     cases = [  # (calls, completion text, solved)
         (["3*5+3", "(3+5)*3"], "<<...>>\n#### (3+5)*3", True),  # recovered from a failed try
@@ -360,7 +360,7 @@ def test_score_judges_countdown_by_its_checker_and_reports_recovery():
 def test_score_judges_gridworld_by_the_environment_not_the_text():
     from agentrl.evaluate import score
 
-    ts = Toolset(None, "inline", environment="gridworld", env_kwargs={"slip_prob": 0.0})
+    ts = make_toolset(None, "inline", environment="gridworld", env_kwargs={"slip_prob": 0.0})
     base = {"question": "q", "grid": ["S.", ".G"], "start": [0, 0], "goal": [1, 1], "seed": 0, "ground_truth": "goal"}
     cases = [
         (["right", "down"], "#### fail", True),  # reached the goal: solved whatever the text says
@@ -420,7 +420,7 @@ def test_prepare_countdown_writes_rows_that_reset_the_environment(workdir):
     sft, rl, test = (load_jsonl(f"data/prepared/{s}.jsonl") for s in ("sft_train", "rl_train", "test"))
     assert m["written"] == {"sft_train": 20, "rl_train": 20, "test": 5} and m["source"] == "environment:countdown"
     assert {countdown.instance_key(r) for r in test}.isdisjoint(countdown.instance_key(r) for r in sft)
-    ts = Toolset(None, "inline", environment="countdown")
+    ts = make_toolset(None, "inline", environment="countdown")
     for r in sft + rl + test:
         ep = ts.episode(r)  # the row's env fields reset the environment (no error, no broken episode)
         assert ep.broken is None and ep.env._numbers == r["numbers"] and ep.env._target == r["target"]
@@ -467,9 +467,9 @@ def test_config_errors_name_the_field(change, match):
 
 def test_unknown_custom_environment_is_refused_by_name():
     with pytest.raises(ValueError, match=r"agent\.environment: cannot import 'agentrl\.nope:Env'"):
-        Toolset(None, "chat", environment="agentrl.nope:Env")
+        make_toolset(None, "chat", environment="agentrl.nope:Env")
     with pytest.raises(ValueError, match=r"agent\.format 'inline' .* drives one tool"):
-        Toolset(None, "inline", environment=f"{HERE}:TwoTools")
+        make_toolset(None, "inline", environment=f"{HERE}:TwoTools")
 
 
 class TwoTools(Tally):

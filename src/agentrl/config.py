@@ -39,18 +39,18 @@ class Strict(BaseModel):
 
 # ----------------------------------------------------------------------------------------- data
 class SyntheticParams(Strict):
-    num_train: int = Field(12000, ge=1, le=10_000_000)
-    num_test: int = Field(500, ge=1, le=1_000_000)
-    operand_min: int = Field(1, ge=0, le=10**9)
-    operand_max: int = Field(99, ge=1, le=10**9)
-    max_value: int = Field(999, ge=2, le=10**12)
-    direct_answer_rate: float = Field(0.0, ge=0, le=1)
-    digit_steps_rate: float = Field(0.0, ge=0, le=1)
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
-    steps: dict[int, float] = Field(default_factory=lambda: {1: 0.3, 2: 0.4, 3: 0.3})
-    multiplier_max: int = Field(9, ge=2, le=1000)  # "b times as many": b in 2..multiplier_max
-    distractor_rate: float = Field(0.4, ge=0, le=1)  # share of problems that mention another person's count
-    compare_rate: float = Field(0.5, ge=0, le=1)  # ... of which ask "how many more than" that person
+    num_train: int = Field(ge=1, le=10_000_000)
+    num_test: int = Field(ge=1, le=1_000_000)
+    operand_min: int = Field(ge=0, le=10**9)
+    operand_max: int = Field(ge=1, le=10**9)
+    max_value: int = Field(ge=2, le=10**12)
+    direct_answer_rate: float = Field(ge=0, le=1)
+    digit_steps_rate: float = Field(ge=0, le=1)
+    operations: list[Literal["+", "-", "*"]] = Field(min_length=1)
+    steps: dict[int, float]
+    multiplier_max: int = Field(ge=2, le=1000)  # "b times as many": b in 2..multiplier_max
+    distractor_rate: float = Field(ge=0, le=1)  # share of problems that mention another person's count
+    compare_rate: float = Field(ge=0, le=1)  # ... of which ask "how many more than" that person
 
     @field_validator("steps")
     @classmethod
@@ -76,21 +76,21 @@ class SyntheticParams(Strict):
 
 
 class DataParams(Strict):
-    source: Literal["synthetic", "gsm8k", "jsonl"] = "synthetic"
-    train_file: Optional[str] = None
-    test_file: Optional[str] = None
-    hub_dataset: str = "openai/gsm8k"
-    hub_config: str = "main"
-    hub_revision: Optional[str] = None
-    max_samples: Optional[int] = Field(None, ge=1, le=100_000_000)
-    eval_max_samples: Optional[int] = Field(500, ge=1, le=10_000_000)
+    source: Literal["synthetic", "gsm8k", "jsonl"]
+    train_file: Optional[str]
+    test_file: Optional[str]
+    hub_dataset: str
+    hub_config: str
+    hub_revision: Optional[str]
+    max_samples: Optional[int] = Field(ge=1, le=100_000_000)
+    eval_max_samples: Optional[int] = Field(ge=1, le=10_000_000)
     # GSM8K calculator annotations <<a*b=c>>: 'auto' keeps them when agent.tools is set (they are the tool
     # calls the policy learns), strips them otherwise; true/false force it
-    strip_calculator_annotations: Union[Literal["auto"], StrictBool] = "auto"
-    calculator_share: float = Field(0.52, ge=0, le=1)  # share of kept-annotation training solutions that call the tool
-    on_bad_rows: Literal["error", "drop"] = "error"
-    system_prompt: str = ""
-    synthetic: SyntheticParams = Field(default_factory=SyntheticParams)
+    strip_calculator_annotations: Union[Literal["auto"], StrictBool]
+    calculator_share: float = Field(ge=0, le=1)  # share of kept-annotation training solutions that call the tool
+    on_bad_rows: Literal["error", "drop"]
+    system_prompt: str
+    synthetic: SyntheticParams
 
     @model_validator(mode="after")
     def _files(self) -> "DataParams":
@@ -101,14 +101,14 @@ class DataParams(Strict):
 
 # ---------------------------------------------------------------------------------------- model
 class TinyModelParams(Strict):
-    vocab_size: int = Field(512, ge=300, le=1_048_576)
-    hidden_size: int = Field(128, ge=8, le=16384)
-    intermediate_size: int = Field(384, ge=8, le=65536)
-    num_hidden_layers: int = Field(4, ge=1, le=256)
-    num_attention_heads: int = Field(4, ge=1, le=256)
-    num_key_value_heads: int = Field(2, ge=1, le=256)
-    head_dim: int = Field(32, ge=4, le=1024)
-    max_position_embeddings: int = Field(512, ge=32, le=1_048_576)
+    vocab_size: int = Field(ge=300, le=1_048_576)
+    hidden_size: int = Field(ge=8, le=16384)
+    intermediate_size: int = Field(ge=8, le=65536)
+    num_hidden_layers: int = Field(ge=1, le=256)
+    num_attention_heads: int = Field(ge=1, le=256)
+    num_key_value_heads: int = Field(ge=1, le=256)
+    head_dim: int = Field(ge=4, le=1024)
+    max_position_embeddings: int = Field(ge=32, le=1_048_576)
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModelParams":
@@ -118,26 +118,26 @@ class TinyModelParams(Strict):
 
 
 class PretrainParams(Strict):
-    enabled: bool = True
-    num_arithmetic_facts: int = Field(40000, ge=0, le=100_000_000)
-    epochs: float = Field(1, gt=0, le=10_000)
-    learning_rate: float = Field(3e-3, gt=0, le=1)
-    batch_size: int = Field(32, ge=1, le=65536)
-    block_size: int = Field(128, ge=16, le=1_048_576)
+    enabled: bool
+    num_arithmetic_facts: int = Field(ge=0, le=100_000_000)
+    epochs: float = Field(gt=0, le=10_000)
+    learning_rate: float = Field(gt=0, le=1)
+    batch_size: int = Field(ge=1, le=65536)
+    block_size: int = Field(ge=16, le=1_048_576)
 
 
 class ModelParams(Strict):
-    base_model: str = "tiny"
-    revision: str = "main"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    base_model: str
+    revision: str
+    precision: Literal["auto", "fp32", "bf16", "fp16"]
     # how training loads the model (from_pretrained(attn_implementation=...)); flash_attention_2 needs the
     # flash-attn package and a CUDA GPU
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"]
     # variables baked into a hub tokenizer's chat template by `base` (e.g. Qwen3 {enable_thinking: false}), so
     # SFT, GRPO, evaluation and serving all render the same prompt
-    chat_template_kwargs: dict[str, Union[StrictBool, int, float, str, None]] = Field(default_factory=dict)
-    tiny: TinyModelParams = Field(default_factory=TinyModelParams)
-    pretrain: PretrainParams = Field(default_factory=PretrainParams)
+    chat_template_kwargs: dict[str, Union[StrictBool, int, float, str, None]]
+    tiny: TinyModelParams
+    pretrain: PretrainParams
 
 
 # ------------------------------------------------------------------------------------ training
@@ -152,10 +152,10 @@ class SFTParams(Strict):
 
 
 class RewardKwargs(Strict):
-    length_max: int = Field(96, ge=1, le=10_000_000)
-    length_weight: float = Field(0.5, ge=0, le=MAX_WEIGHT)
-    step_bonus: float = Field(0.1, ge=0, le=MAX_WEIGHT)
-    step_cap: float = Field(0.3, ge=0, le=MAX_WEIGHT)
+    length_max: int = Field(ge=1, le=10_000_000)
+    length_weight: float = Field(ge=0, le=MAX_WEIGHT)
+    step_bonus: float = Field(ge=0, le=MAX_WEIGHT)
+    step_cap: float = Field(ge=0, le=MAX_WEIGHT)
 
 
 class GRPOParams(Strict):
@@ -179,11 +179,11 @@ class GRPOParams(Strict):
 
 
 class EvalParams(Strict):
-    batch_size: int = Field(128, ge=1, le=65536)
-    max_new_tokens: int = Field(128, ge=1, le=1_048_576)
-    temperature: float = Field(0.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    samples_per_problem: int = Field(1, ge=1, le=1024)
+    batch_size: int = Field(ge=1, le=65536)
+    max_new_tokens: int = Field(ge=1, le=1_048_576)
+    temperature: float = Field(ge=0, le=100)
+    top_p: float = Field(gt=0, le=1)
+    samples_per_problem: int = Field(ge=1, le=1024)
 
     @model_validator(mode="after")
     def _sampling(self) -> "EvalParams":
@@ -193,33 +193,31 @@ class EvalParams(Strict):
 
 
 class ExportParams(Strict):
-    quantize: Literal["none", "int8"] = "int8"  # bitsandbytes on CUDA, torch dynamic int8 on CPU (quantize.py)
-    max_abs_logit_diff: float = Field(1e-4, gt=0, le=1e6)
-    num_verify_prompts: int = Field(8, ge=1, le=100_000)
+    quantize: Literal["none", "int8"]  # bitsandbytes on CUDA, torch dynamic int8 on CPU (quantize.py)
+    max_abs_logit_diff: float = Field(gt=0, le=1e6)
+    num_verify_prompts: int = Field(ge=1, le=100_000)
 
 
 class ServeParams(Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    model_path: str = "models/merged"
-    max_tokens_limit: int = Field(512, ge=1, le=1_048_576)
-    max_batch_size: int = Field(8, ge=1, le=4096)
-    batch_wait_ms: float = Field(5, ge=0, le=60_000)
+    host: str
+    port: int = Field(ge=1, le=65535)
+    model_path: str
+    max_tokens_limit: int = Field(ge=1, le=1_048_576)
+    max_batch_size: int = Field(ge=1, le=4096)
+    batch_wait_ms: float = Field(ge=0, le=60_000)
 
 
 class TrackingParams(Strict):
-    report_to: list[Literal["tensorboard", "dvclive", "wandb"]] = Field(
-        default_factory=lambda: ["tensorboard", "dvclive", "wandb"]
-    )
-    wandb_project: str = "agentic-rl"
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    report_to: list[Literal["tensorboard", "dvclive", "wandb"]]
+    wandb_project: str
+    wandb_mode: Literal["offline", "online", "disabled"]
 
 
 class DistributedParams(Strict):
-    accelerate_config: str = "configs/accelerate/single.yaml"
-    num_processes: int = Field(1, ge=1, le=4096)
-    scale_lr: Literal["none", "sqrt", "linear"] = "none"
-    reference_batch: int = Field(32, ge=1, le=10_000_000)
+    accelerate_config: str
+    num_processes: int = Field(ge=1, le=4096)
+    scale_lr: Literal["none", "sqrt", "linear"]
+    reference_batch: int = Field(ge=1, le=10_000_000)
 
     @field_validator("accelerate_config")
     @classmethod
@@ -235,19 +233,19 @@ class DistributedParams(Strict):
 class ReproducibilityParams(Strict):
     # portable: the CPU kernels pinned (ATen AVX2, MKL COMPATIBLE, FBGEMM AVX2) for the same bytes on any x86-64
     # CPU with AVX2 | native: the CPU's own (fastest) kernels. reproducibility.py; docs/reproducibility.md
-    mode: Literal["portable", "native"] = "native"
-    threads: int = Field(2, ge=1, le=1024)  # portable: intra-op threads per process (the bytes depend on it)
+    mode: Literal["portable", "native"]
+    threads: int = Field(ge=1, le=1024)  # portable: intra-op threads per process (the bytes depend on it)
 
 
 class AgentParams(Strict):
-    tools: list[str] = Field(default_factory=lambda: ["calculator"])  # [] = no tools; names or module:function
-    format: Literal["inline", "chat"] = "inline"  # inline: <<expr=  result>> ; chat: <tool_call> JSON turns
-    max_tool_calls: int = Field(8, ge=1, le=1000)  # per completion; a completion that asks for more is ended
-    max_expression_chars: int = Field(200, ge=1, le=10000)
+    tools: list[str]  # [] = no tools; names or module:function
+    format: Literal["inline", "chat"]  # inline: <<expr=  result>> ; chat: <tool_call> JSON turns
+    max_tool_calls: int = Field(ge=1, le=1000)  # per completion; a completion that asks for more is ended
+    max_expression_chars: int = Field(ge=1, le=10000)
     # an environment (TRL environment_factory shape) instead of agent.tools: calculator | countdown | gridworld
     # | module:Class; null = the tools in agent.tools (plain functions, one stateless environment)
-    environment: Optional[str] = None
-    tool_timeout_s: float = Field(10.0, gt=0, le=600)  # a tool call that takes longer is an error result
+    environment: Optional[str]
+    tool_timeout_s: float = Field(gt=0, le=600)  # a tool call that takes longer is an error result
 
     @field_validator("environment")
     @classmethod
@@ -278,18 +276,18 @@ class AgentParams(Strict):
 
 
 class Params(Strict):
-    seed: int = Field(42, ge=0, le=2**32 - 1)  # numpy seeds are 32-bit
-    data: DataParams = Field(default_factory=DataParams)
-    model: ModelParams = Field(default_factory=ModelParams)
+    seed: int = Field(ge=0, le=2**32 - 1)  # numpy seeds are 32-bit
+    data: DataParams
+    model: ModelParams
     sft: SFTParams  # no defaults: pass-through sections, params.yaml is their one source
     grpo: GRPOParams
-    eval: EvalParams = Field(default_factory=EvalParams)
-    export: ExportParams = Field(default_factory=ExportParams)
-    serve: ServeParams = Field(default_factory=ServeParams)
-    tracking: TrackingParams = Field(default_factory=TrackingParams)
-    distributed: DistributedParams = Field(default_factory=DistributedParams)
-    agent: AgentParams = Field(default_factory=AgentParams)
-    reproducibility: ReproducibilityParams = Field(default_factory=ReproducibilityParams)
+    eval: EvalParams
+    export: ExportParams
+    serve: ServeParams
+    tracking: TrackingParams
+    distributed: DistributedParams
+    agent: AgentParams
+    reproducibility: ReproducibilityParams
     # knobs of the built-in environments: environments.<name>.<knob> (generation: num_train, num_test and the
     # module's GEN_DEFAULTS; runtime: its ENV_DEFAULTS); agent.environment picks which one runs
     environments: dict[str, dict[str, Any]]  # no default: params.yaml is its one source

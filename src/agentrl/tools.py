@@ -29,6 +29,7 @@ from typing import Callable, Optional
 from .envs import countdown, gridworld
 
 MAX_EXPRESSION_CHARS = 200
+MAX_RESULT_CHARS = 200  # a tool result longer than this is cut (what the policy reads back)
 MAX_MAGNITUDE = 1e15  # any operand or intermediate value beyond this is an error, not a huge number
 MAX_NODES = 64  # operators + numbers in one expression
 
@@ -391,15 +392,15 @@ class Toolset:
 
     def __init__(
         self,
-        names: Optional[list[str]] = None,
-        fmt: str = "inline",
-        max_calls: int = 8,
-        max_expression_chars: int = MAX_EXPRESSION_CHARS,
+        names: Optional[list[str]],
+        fmt: str,
+        *,
+        max_calls: int,
+        max_expression_chars: int,
+        timeout_s: Optional[float],
         eos_token: str = "<|im_end|>",
         environment: Optional[str] = None,
         env_kwargs: Optional[dict] = None,
-        timeout_s: Optional[float] = 10.0,
-        max_result_chars: int = 200,
     ):
         if environment and names:
             raise ValueError("agent.environment and agent.tools are both set: an environment brings its own tools")
@@ -424,7 +425,7 @@ class Toolset:
         self.max_calls = max_calls
         self.max_expression_chars = max_expression_chars
         self.timeout_s = timeout_s
-        self.max_result_chars = max_result_chars
+        self.max_result_chars = MAX_RESULT_CHARS
         self._stateless = Episode(self)  # for callers without rows (the server, `run`)
 
     def episode(self, row: Optional[dict] = None) -> Episode:
@@ -443,7 +444,7 @@ class Toolset:
 def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Optional[dict] = None) -> Optional[Toolset]:
     """The Toolset that `agent.*` params describe, or None when there is no tool and no environment.
     `env_params` (params.environments) gives a built-in environment its runtime knobs."""
-    environment = getattr(agent, "environment", None)
+    environment = agent.environment
     if not agent.tools and not environment:
         return None
     env_kwargs = {}
@@ -453,12 +454,12 @@ def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Option
     return Toolset(
         list(agent.tools),
         agent.format,
-        agent.max_tool_calls,
-        agent.max_expression_chars,
-        eos_token,
+        max_calls=agent.max_tool_calls,
+        max_expression_chars=agent.max_expression_chars,
+        timeout_s=agent.tool_timeout_s,
+        eos_token=eos_token,
         environment=environment,
         env_kwargs=env_kwargs,
-        timeout_s=getattr(agent, "tool_timeout_s", 10.0),
     )
 
 

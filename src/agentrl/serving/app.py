@@ -29,11 +29,14 @@ from .streaming import chat_stream
 
 def _settings() -> tuple[str, ServeParams, AgentParams, ModelParams]:
     params_file = os.environ.get("AGENTRL_PARAMS", "params.yaml")
-    if os.path.exists(params_file):
-        params = load_params(params_file)
-        cfg, agent, model = params.serve, params.agent, params.model
-    else:
-        cfg, agent, model = ServeParams(), AgentParams(), ModelParams()
+    if not os.path.exists(params_file):  # params.yaml is the one place the settings live (no schema defaults)
+        source = "AGENTRL_PARAMS" if "AGENTRL_PARAMS" in os.environ else "params.yaml"
+        raise FileNotFoundError(
+            f"{source}={params_file}: no params file; the server reads serve.*, agent.* (the tool loop the model "
+            "was trained with) and model.* from it: run from the repository or set AGENTRL_PARAMS"
+        )
+    params = load_params(params_file)
+    cfg, agent, model = params.serve, params.agent, params.model
     return os.environ.get("AGENTRL_MODEL_PATH", cfg.model_path), cfg, agent, model
 
 
