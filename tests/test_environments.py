@@ -496,10 +496,10 @@ def test_sft_check_lengths_names_the_key_when_nothing_fits():
 
 
 def test_a_served_prompt_resets_an_environment_from_its_user_turn():
-    """The server has token ids only: serve.served_row gives the environment the last user turn's text, from
+    """The server has token ids only: serving.engine.served_row gives the environment the last user turn's text, from
     which countdown and gridworld read their instance."""
     from agentrl.envs import countdown, gridworld
-    from agentrl.serve import served_row
+    from agentrl.serving.engine import served_row
     from conftest import tiny_lm
 
     q_cd = "Make 24 from 3 8 5 using + - * / once each."

@@ -9,6 +9,5 @@ in serving/engine.py, streaming in serving/streaming.py (its __init__ maps every
 """
 
 from .serving.app import app
-from .serving.engine import served_row
 
-__all__ = ["app", "served_row"]  # served_row: tests/test_environments.py imports it from here
+__all__ = ["app"]
