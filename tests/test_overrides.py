@@ -10,11 +10,11 @@ from agentrl import overrides
 from conftest import ROOT
 
 MODULE = "src/agentrl/overrides.py"
-# Sites in files this change did not own, each with the change that removes it; the test fails when one is
-# gone (drop it here) as when a new one appears.
+# Known sites not moved here yet, each with the change that moves it; the test fails when one is gone (drop it
+# here) as when a new one appears.
 ELSEWHERE = {
-    "scripts/seeds.py:queue_and_run": "renders `-S seed=<k>` by hand: *overrides.render({'seed': k}, add=False)",
-    "src/agentrl/common.py:split_metrics": "walks a dict by a dotted key: overrides.get / overrides.leaves",
+    "scripts/seeds.py:queue_and_run": "renders `-S seed=<k>` by hand: '-S', *overrides.render({'seed': k}, add=False)",
+    "src/agentrl/common.py:split_metrics": "walks metrics by dotted keys: overrides.get / set_value (and a pop)",
     "src/agentrl/config.py:_non_finite": "flattens a tree to dotted keys: overrides.leaves(value, path, lists=True)",
 }
 
