@@ -229,6 +229,8 @@ def test_interpolations_are_refused_before_anything_runs(repo, fake, ov):
     ],
 )
 def test_an_override_cannot_name_a_new_import_path(repo, fake, ov):
+    if "agent" in ov:  # a section replaces the workspace's whole: the rest of it as params.yaml has it
+        ov = {"agent": {**agent_checks.read_params(repo)["agent"], **ov["agent"]}}
     before = snapshot(repo)
     err = refused(run(repo, ov))
     assert err["type"] in ("not_allowed", "unknown_key"), err  # unknown_key: a schema without agent.environment
