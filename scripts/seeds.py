@@ -35,6 +35,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from agentrl import overrides  # noqa: E402
+
 OUT_JSON = Path("docs/seeds.json")
 OUT_MD = Path("docs/seeds.md")
 README = Path("README.md")
@@ -78,7 +80,7 @@ def queue_and_run(seeds: list[int], jobs: int) -> None:
             continue
         if name in states:  # failed or left queued by an interrupted run: queue it afresh
             dvc("exp", "remove", name)
-        dvc("exp", "run", "--queue", "-S", f"seed={k}", "--name", name)
+        dvc("exp", "run", "--queue", "-S", *overrides.render({"seed": k}, add=False), "--name", name)
     dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
 
 
