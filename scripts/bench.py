@@ -33,10 +33,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from agentrl.common import peak_rss_mb, write_json
 from agentrl.config import load_params
 from agentrl.data import load_jsonl
-from agentrl.testing import copy_repo, git_commit_all, set_param, tool_loop_vs_plain
+from agentrl.scratch import copy_repo, git_commit_all, set_param
 
 STEPS = 40
 EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_tokens: not the hard case
+
+
+def tool_loop_vs_plain(model, tok, prompts: list, toolset, max_new: int, batch_size: int, template_kwargs=None) -> dict:
+    """Generated tokens/s of the tool loop (agent.generate_with_tools) against one plain `model.generate` per
+    batch on the same prompts and batch size (no tool runs there: the model writes every result itself), greedy,
+    after a short warm-up. Tokens are counted up to and including eos; the loop's count includes the tool
+    results it inserts, which it does not sample (`loop_sampled_tokens_per_second` leaves them out)."""
+    import torch
+
+    from agentrl.agent import generate_with_tools
+
+    def sync():
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    kw = template_kwargs or {}
+    generate_with_tools(model, tok, prompts[:2], toolset, 4, batch_size=batch_size, chat_template_kwargs=kw)
+    sync()
+    t = time.perf_counter()
+    rolls = [
+        r[0] for r in generate_with_tools(model, tok, prompts, toolset, max_new, batch_size, chat_template_kwargs=kw)
+    ]
+    sync()
+    loop_s = time.perf_counter() - t
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **kw) for p in prompts]
+    plain_tokens, t = 0, time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(texts), batch_size):
+            enc = tok(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            seqs = model.generate(
+                **enc.to(model.device),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
+                plain_tokens += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+    sync()
+    plain_s = time.perf_counter() - t
+    loop_tokens = sum(r.num_tokens for r in rolls)
+    return {
+        "loop_tokens_per_second": loop_tokens / loop_s,
+        "loop_sampled_tokens_per_second": sum(sum(r.env_mask) for r in rolls) / loop_s,
+        "plain_tokens_per_second": plain_tokens / plain_s,
+        "ratio": (loop_tokens / loop_s) / (plain_tokens / plain_s),
+        "tool_calls": sum(len(r.calls) for r in rolls),
+        "problems": len(prompts),
+        "device": str(model.device),
+    }
 
 
 def stats(xs: list[float]) -> dict:
@@ -226,7 +277,7 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
 
 
 def tool_loop_speed(params, n: int, stage: str = "grpo") -> dict:
-    """testing.tool_loop_vs_plain on `stage`'s policy: the tool loop (tools from params.agent) against plain
+    """tool_loop_vs_plain on `stage`'s policy: the tool loop (tools from params.agent) against plain
     `model.generate` on the first `n` held-out prompts, params.eval's batch size and max_new_tokens."""
     from agentrl.modeling import load_policy
     from agentrl.tools import toolset_from_params

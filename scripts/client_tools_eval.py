@@ -26,7 +26,7 @@ from pathlib import Path
 from agentrl.answers import answers_match, extract_answer, normalize_number
 from agentrl.config import load_params
 from agentrl.modeling import load_tokenizer
-from agentrl.testing import free_port, start_server
+from agentrl.serving.local import free_port, start_server
 from agentrl.tools import calculator, call_tool
 
 CALCULATOR = {

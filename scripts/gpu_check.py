@@ -223,7 +223,7 @@ def build_stand_in(out: str, cpu: bool) -> dict:
 
 
 def tool_speed(n: int) -> dict:
-    """bench.py's tool_loop_speed on the device (testing.tool_loop_vs_plain): tokens/s of
+    """bench.py's tool_loop_speed on the device (bench.tool_loop_vs_plain): tokens/s of
     agent.generate_with_tools (the GRPO policy, params.agent's tools) against one plain `model.generate` per
     batch on the same prompts, greedy."""
     import torch
@@ -232,8 +232,8 @@ def tool_speed(n: int) -> dict:
     from agentrl.config import load_params
     from agentrl.data import load_jsonl
     from agentrl.modeling import load_policy
-    from agentrl.testing import tool_loop_vs_plain
     from agentrl.tools import toolset_from_params
+    from bench import tool_loop_vs_plain  # scripts/ is on sys.path (run as a script, and in the tests)
 
     params = load_params()
     model, tok = load_policy("grpo", dtype=torch_dtype(params.model.precision))
@@ -260,7 +260,7 @@ class Check:
         self.work = Path(tempfile.mkdtemp(prefix="agentrl-gpu-check-"))
         self.stand_in = str(self.work / "stand-in" / ("tiny-random" if self.cpu else "qwen3-0.6b-sized-random"))
         self.params = check_params(self.cpu, self.stand_in)  # puts ROOT/src on sys.path
-        from agentrl.testing import copy_repo
+        from agentrl.scratch import copy_repo
 
         copy_repo(ROOT, self.work, only=("src", "configs"))
         self.env = {

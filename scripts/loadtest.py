@@ -24,7 +24,7 @@ from typing import Optional
 
 import httpx
 
-from agentrl.testing import free_port, start_server
+from agentrl.serving.local import free_port, start_server
 
 QUESTIONS = [
     "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?",

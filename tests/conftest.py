@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -28,6 +31,32 @@ TINY_DIMS = dict(
     num_key_value_heads=1,
     head_dim=16,
 )
+
+
+# --------------------------------------------------------------------- subprocesses of the project's tools
+def tool_env(wandb_mode: Optional[str] = "offline", **extra: str) -> dict:
+    """The environment to run the project's tools in a subprocess: os.environ with this interpreter's bin/ first
+    on PATH (dvc, accelerate), the git identity, WANDB_MODE (unchanged when None) and `extra`."""
+    from agentrl.scratch import GIT_IDENTITY
+
+    env = {**os.environ, **GIT_IDENTITY, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if wandb_mode is not None:
+        env["WANDB_MODE"] = wandb_mode
+    return {**env, **extra}
+
+
+def accelerate_launch(
+    config_file: str | Path, module: str, cwd: str | Path, num_processes: int = 2, timeout_s: int = 900
+) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file F --num_processes N -m module` in `cwd`, with this interpreter's
+    accelerate, W&B offline and one OpenMP thread per process; AssertionError with the output's tail on failure."""
+    env = tool_env("offline", OMP_NUM_THREADS="1")
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file)]
+    cmd += ["--num_processes", str(num_processes), "-m", module]
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return r
 
 
 def raw_params() -> dict:
@@ -106,7 +135,7 @@ def write_params(path: Path, params: dict) -> None:
 @pytest.fixture
 def copy_repo(tmp_path):
     """A copy of the repository (code, configs, dvc.yaml, params; no outputs, no DVC cache), not a git repo yet."""
-    from agentrl.testing import copy_repo
+    from agentrl.scratch import copy_repo
 
     return copy_repo(ROOT, tmp_path / "repo")
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from agentrl import agent_api, config, overrides
-from agentrl.testing import GIT_IDENTITY, tool_env
-from conftest import mini_params
+from agentrl.scratch import GIT_IDENTITY
+from conftest import mini_params, tool_env
 
 BIN = str(Path(sys.executable).parent)
 

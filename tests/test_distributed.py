@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.common import read_metrics
-from agentrl.testing import accelerate_launch
-from conftest import ROOT, mini_params, write_params
+from conftest import ROOT, accelerate_launch, mini_params, write_params
 
 pytestmark = [pytest.mark.distributed]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.testing import git_commit_all, set_param, tool_env
-from conftest import mini_params
+from agentrl.scratch import git_commit_all, set_param
+from conftest import mini_params, tool_env
 
 
 def run(cmd, cwd, check=True):

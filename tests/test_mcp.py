@@ -10,7 +10,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from agentrl import agent_api, agent_checks
-from agentrl.testing import tool_env
+from conftest import tool_env
 from test_agent_api import make_repo, sh, snapshot
 
 

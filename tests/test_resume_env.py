@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from agentrl.testing import accelerate_launch, copy_repo
-from conftest import ROOT, mini_params, write_params
+from agentrl.scratch import copy_repo
+from conftest import ROOT, accelerate_launch, mini_params, write_params
 
 
 def test_launch_environment_digest(workdir, monkeypatch):

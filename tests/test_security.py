@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from agentrl import agent_api, agent_checks, config, overrides
-from agentrl.testing import GIT_IDENTITY, copy_repo, tool_env
-from conftest import ROOT, mini_params
+from agentrl.scratch import GIT_IDENTITY, copy_repo
+from conftest import ROOT, mini_params, tool_env
 
 SECRET = "probe-secret-" + hashlib.sha256(os.urandom(16)).hexdigest()[:20]
 

@@ -13,8 +13,8 @@ import yaml
 
 from agentrl.card import read_seeds, seed_summary
 from agentrl.compare import mcnemar_exact
-from agentrl.testing import git_commit_all, tool_env
-from conftest import ROOT, mini_params
+from agentrl.scratch import git_commit_all
+from conftest import ROOT, mini_params, tool_env
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import seeds  # noqa: E402

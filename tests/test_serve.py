@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from agentrl.testing import free_port, start_server
+from agentrl.serving.local import free_port, start_server
 from conftest import ROOT, mini_params, tiny_lm
 
 SERVE_CFG = {"serve": {"max_tokens_limit": 64, "max_batch_size": 8, "batch_wait_ms": 5}}

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from agentrl.testing import free_port
+from agentrl.serving.local import free_port
 from conftest import ROOT, mini_params, tiny_lm
 
 QUESTION = "Tom has 12 apples. He buys 7 more. How many now?"
@@ -539,7 +539,7 @@ def test_round_trip_on_the_trained_default_model():
     conversation put together gives the server-side loop's answer (its text too, unless re-tokenizing the
     client's text made the policy continue differently), and the answers are right."""
     from agentrl.answers import answers_match, extract_answer, normalize_number
-    from agentrl.testing import start_server
+    from agentrl.serving.local import start_server
 
     rows = [json.loads(x) for x in TEST_SPLIT.read_text().splitlines()[:5]]
     proc, base = start_server(MERGED, free_port(), params=ROOT / "params.yaml")

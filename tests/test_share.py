@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.testing import free_port, tool_env, wait_healthy
-from conftest import ROOT, mini_params
+from agentrl.serving.local import free_port, wait_healthy
+from conftest import ROOT, mini_params, tool_env
 
 BIN = Path(sys.executable).parent
 VENV = BIN.parent  # the venv running the tests: make targets use it (VENV=...) and skip set-up (-o setup)

@@ -10,8 +10,7 @@ import sys
 import pytest
 import yaml
 
-from agentrl.testing import tool_env
-from conftest import ROOT, mini_params
+from conftest import ROOT, mini_params, tool_env
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import sweep  # noqa: E402

@@ -21,8 +21,7 @@ from typing import Callable
 
 import pytest
 
-from agentrl.testing import tool_env
-from conftest import ROOT, mini_params
+from conftest import ROOT, mini_params, tool_env
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import sweep_worker  # noqa: E402
@@ -290,7 +289,12 @@ def test_make_targets_pass_their_variables(kind, trials):
     import shlex
 
     def line(target: str, *var: str) -> list[str]:
-        r = subprocess.run(["make", "-n", "--no-print-directory", "-o", "setup", target, *var], cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(
+            ["make", "-n", "--no-print-directory", "-o", "setup", target, *var],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         return shlex.split(r.stdout.replace("\\\n", " ").splitlines()[-1])
 
@@ -329,7 +333,7 @@ def baseline(tmp_path_factory):
     repository every machine's clone starts from; built once for the module's real-DVC tests."""
     import yaml
 
-    from agentrl.testing import copy_repo
+    from agentrl.scratch import copy_repo
 
     top = tmp_path_factory.mktemp("baseline")
     origin = copy_repo(ROOT, top / "origin")
@@ -369,7 +373,7 @@ def start_postgres() -> tuple[str, Callable[[], None]]:
     import glob
     import tempfile
 
-    from agentrl.testing import free_port
+    from agentrl.serving.local import free_port
 
     found = shutil.which("initdb") or next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))), None)
     if found is None:
@@ -492,7 +496,7 @@ def test_dashboard_renders_the_study_in_chromium(tmp_path):
     import httpx
     import optuna
 
-    from agentrl.testing import free_port
+    from agentrl.serving.local import free_port
 
     browser = chromium()
     storage = str(tmp_path / "study.journal")
@@ -505,7 +509,16 @@ def test_dashboard_renders_the_study_in_chromium(tmp_path):
         t.set_user_attr("worker", f"w{n % 2}")
         study.tell(t, acc)
     port = free_port()
-    cmd = ["make", "-s", "--no-print-directory", "-o", "setup", "sweep-dashboard", f"VENV={sys.prefix}", f"STORAGE={storage}"]
+    cmd = [
+        "make",
+        "-s",
+        "--no-print-directory",
+        "-o",
+        "setup",
+        "sweep-dashboard",
+        f"VENV={sys.prefix}",
+        f"STORAGE={storage}",
+    ]
     server = subprocess.Popen(cmd + [f"DASH_PORT={port}"], cwd=ROOT, env=tool_env(None), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -6,6 +6,7 @@
   engine.py        tokenization, the micro-batching worker over the agent's tool loop, cancellation
   streaming.py     server-sent events for `stream: true`
   openai_tools.py  client-side function calling: a request's `tools` to the policy's call format and back
+  local.py         the server started on a free local port and polled until healthy (load test, tests)
 
 How a request flows:
   1. BodyLimit (errors.py) refuses a body over 1 MiB with 413 before anything parses it.

@@ -1,0 +1,65 @@
+"""The server started locally and polled until healthy, on a free port: scripts/loadtest.py,
+scripts/client_tools_eval.py and the tests run `uvicorn agentrl.serve:app` this way."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Optional
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float, log: Optional[Path] = None) -> dict:
+    """Poll `base`/health until it answers 200 and return its JSON; RuntimeError (naming `log`) when the
+    process exits first or `timeout_s` passes (the process is then terminated)."""
+    import httpx
+
+    where = f"; see {log}" if log else ""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {base}/health answered{where}")
+        try:
+            r = httpx.get(base + "/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.terminate()
+    raise RuntimeError(f"{base}/health did not answer 200 within {timeout_s:g} s{where}")
+
+
+def start_server(
+    model: str | Path,
+    port: int,
+    *,
+    params: Optional[str | Path] = None,
+    output: Optional[IO] = None,
+    timeout_s: float = 120,
+) -> tuple[subprocess.Popen, str]:
+    """`uvicorn agentrl.serve:app` on 127.0.0.1:`port` serving `model` (AGENTRL_MODEL_PATH; AGENTRL_PARAMS
+    when `params` is given), stdout/stderr to `output` (else inherited); (process, base URL) once healthy."""
+    env = {**os.environ, "AGENTRL_MODEL_PATH": str(model)}
+    if params is not None:
+        env["AGENTRL_PARAMS"] = str(params)
+    cmd = [sys.executable, "-m", "uvicorn", "agentrl.serve:app", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd + ["--log-level", "warning"],
+        env=env,
+        stdout=output,
+        stderr=subprocess.STDOUT if output else None,
+    )
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, timeout_s, Path(output.name) if output and hasattr(output, "name") else None)
+    return proc, base
