@@ -26,7 +26,7 @@ from pathlib import Path
 from agentrl.answers import answers_match, extract_answer, normalize_number
 from agentrl.config import load_params
 from agentrl.modeling import load_tokenizer
-from agentrl.serving.local import free_port, start_server
+from agentrl.serving.local import served
 from agentrl.tools import calculator, call_tool
 
 CALCULATOR = {
@@ -154,19 +154,9 @@ def main() -> None:
     rows = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()][: a.n]
     if len(rows) < a.n:
         sys.exit(f"{a.data}: {len(rows)} problems, fewer than -n {a.n}")
-    proc, base, log = None, a.url, None
-    if base is None:
-        log = Path("client_tools_eval_server.log").open("w")
-        proc, base = start_server(a.model, free_port(), params=a.params, output=log)
-    try:
+    with served(a.model, a.url, params=a.params, log="client_tools_eval_server.log") as (base, _):
         tok = load_tokenizer(a.model)
         res = asyncio.run(run(base, tok, rows, budget, params.agent.max_tool_calls, a.concurrency))
-    finally:
-        if proc:
-            proc.terminate()
-            proc.wait(timeout=30)
-        if log:
-            log.close()
     print(
         f"{res['problems']} problems, max_tokens {budget}: client-side tools {res['client_side_accuracy']:.1%}, "
         f"server-side loop {res['server_side_accuracy']:.1%}; "

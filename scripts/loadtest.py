@@ -24,7 +24,7 @@ from typing import Optional
 
 import httpx
 
-from agentrl.serving.local import free_port, start_server
+from agentrl.serving.local import served
 
 QUESTIONS = [
     "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?",
@@ -134,26 +134,14 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--drop", type=int, default=0, help="measure N streaming clients that leave after one chunk")
     a = ap.parse_args()
-    proc = None
-    base = a.url
-    log = None
-    if base is None:
-        log = Path("loadtest_server.log").open("w")
-        proc, base = start_server(a.model, free_port(), output=log)
-    try:
+    with served(a.model, a.url, log="loadtest_server.log") as (base, pid):
         if a.drop:
-            res = asyncio.run(drop(base, proc.pid if proc else None, a.drop, a.max_tokens))
+            res = asyncio.run(drop(base, pid, a.drop, a.max_tokens))
             print(json.dumps(res, indent=2))
             if a.out:
                 Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
             return
         res = asyncio.run(run(base, a.requests, a.concurrency, a.max_tokens))
-    finally:
-        if proc:
-            proc.terminate()
-            proc.wait(timeout=30)
-        if log:
-            log.close()
     print(
         f"{res['requests']} requests at concurrency {res['concurrency']}: {res['errors']} errors; "
         f"p50 {res['p50_ms']} ms, p95 {res['p95_ms']} ms, {res['throughput_rps']} req/s"

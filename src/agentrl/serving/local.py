@@ -8,8 +8,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Iterator, Optional
 
 
 def free_port() -> int:
@@ -63,3 +64,25 @@ def start_server(
     base = f"http://127.0.0.1:{port}"
     wait_healthy(proc, base, timeout_s, Path(output.name) if output and hasattr(output, "name") else None)
     return proc, base
+
+
+@contextmanager
+def served(
+    model: str | Path, url: Optional[str] = None, *, params: Optional[str | Path] = None, log: Optional[str] = None
+) -> Iterator[tuple[str, Optional[int]]]:
+    """(base URL, server pid) of `url` when given (a running server; pid None), else of a server started on a
+    free port (output to the file `log`), stopped on exit. The scripts' way to talk to a server either way."""
+    if url is not None:
+        yield url, None
+        return
+    out = Path(log).open("w") if log else None
+    proc = None
+    try:
+        proc, base = start_server(model, free_port(), params=params, output=out)
+        yield base, proc.pid
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        if out is not None:
+            out.close()
