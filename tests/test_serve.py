@@ -505,14 +505,19 @@ def _tokens_after_queue_drains(base: str) -> dict:
 
 def test_clients_that_disconnect_stop_their_generation(long_server):
     """Issue 26 item 7: 24 SSE clients that leave after the first chunk, and 8 plain clients that give up
-    after 0.3 s, must not keep the model generating their completions. The server counts the tokens it
-    samples (/health tokens_generated); one client that stays gets the full completion (the control), the
-    ones that left cost a small fraction of what their completions would have (before: all of it)."""
+    after an eighth of a full completion's time, must not keep the model generating their completions. The
+    server counts the tokens it samples (/health tokens_generated); one client that stays gets the full
+    completion (the control), the ones that left cost a small fraction of what their completions would have
+    (before: all of it)."""
     base = long_server
     prompt = "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?"
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": LONG, "stream": True}
     h0 = _tokens_after_queue_drains(base)
+    t0 = time.perf_counter()
     full = httpx.post(base + "/generate", json={"text": prompt, "max_tokens": LONG}, timeout=300).json()["tokens"]
+    # the plain clients give up after an eighth of the control's time (this machine's speed, not a fixed 0.3 s:
+    # on a fast one 0.3 s is half a completion)
+    patience = (time.perf_counter() - t0) / 8
     assert full >= LONG // 2, full  # the control: a completion that stays costs this many tokens
     h1 = _tokens_after_queue_drains(base)
     assert h1["tokens_generated"] - h0["tokens_generated"] == full + 1  # the counter counts sampled tokens
@@ -525,7 +530,7 @@ def test_clients_that_disconnect_stop_their_generation(long_server):
 
     async def give_up(c):
         try:
-            await c.post("/generate", json={"text": prompt, "max_tokens": LONG}, timeout=0.3)
+            await c.post("/generate", json={"text": prompt, "max_tokens": LONG}, timeout=patience)
         except httpx.TimeoutException:
             return "gave up"
         return "finished"
@@ -543,7 +548,7 @@ def test_clients_that_disconnect_stop_their_generation(long_server):
     h3 = _tokens_after_queue_drains(base)
     plain = h3["tokens_generated"] - h2["tokens_generated"] - 1
     left = outcomes.count("gave up")
-    assert left >= 4, outcomes  # (a client whose completion came within 0.3 s had nothing to cancel)
+    assert left >= 4, outcomes  # (a client whose completion came within its patience had nothing to cancel)
     # without cancellation every one of them costs `full`; half of that bounds a loaded machine's late cancels
     assert plain < (8 - left) * full + left * full // 2, (plain, outcomes, full)
     assert h3["jobs_cancelled"] - h2["jobs_cancelled"] >= left, h3
