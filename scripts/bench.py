@@ -37,6 +37,7 @@ from agentrl.scratch import copy_repo, git_commit_all, set_param
 
 STEPS = 40
 EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_tokens: not the hard case
+CHAT_STEPS, CHAT_WARMUP = 4, 1  # chat-format GRPO steps per trainer, the first left out (~25 s each on 2 cores)
 
 
 def tool_loop_vs_plain(model, tok, prompts: list, toolset, max_new: int, batch_size: int, template_kwargs=None) -> dict:
@@ -88,6 +89,48 @@ def tool_loop_vs_plain(model, tok, prompts: list, toolset, max_new: int, batch_s
         "problems": len(prompts),
         "device": str(model.device),
     }
+
+
+@torch.inference_mode()
+def bare_greedy_decode(model, input_ids, attention_mask, n: int) -> torch.Tensor:
+    """`n` new token ids per row (batch x n) of a left-padded batch: one prefill, then one forward per token with
+    the KV cache and an argmax; positions from the attention mask, as `generate` computes them. Nothing stops early."""
+    mask = attention_mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    new = [out.logits[:, -1].argmax(-1, keepdim=True)]
+    for _ in range(n - 1):
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        pos = pos[:, -1:] + 1
+        kv = out.past_key_values
+        out = model(input_ids=new[-1], attention_mask=mask, position_ids=pos, past_key_values=kv, use_cache=True)
+        new.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    return torch.cat(new, dim=1)
+
+
+def decode_ceiling(model, tok, prompts: list, max_new: int, batch_size: int, template_kwargs=None) -> dict:
+    """The decode ceiling on this machine: bare_greedy_decode of `max_new` tokens for every prompt, in left-padded
+    batches of `batch_size` (no stopping, no tool, no sampling logic). Tokens/s over every token generated, after a
+    short warm-up."""
+    kw = template_kwargs or {}
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **kw) for p in prompts]
+
+    def sync():
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def decode(batch: list[str], n: int) -> torch.Tensor:
+        enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        return bare_greedy_decode(model, enc["input_ids"], enc["attention_mask"], n)
+
+    decode(texts[:2], 4)
+    sync()
+    t = time.perf_counter()
+    tokens = sum(decode(texts[i : i + batch_size], max_new).numel() for i in range(0, len(texts), batch_size))
+    sync()
+    seconds = time.perf_counter() - t
+    return {"tokens_per_second": tokens / seconds, "tokens": tokens, "seconds": seconds}
 
 
 def stats(xs: list[float]) -> dict:
@@ -276,9 +319,117 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
     }
 
 
-def tool_loop_speed(params, n: int, stage: str = "grpo") -> dict:
+def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, finish=None, **trainer_kwargs):
+    """(trainer, steps): a short GRPOTrainer run (`args.max_steps` steps, `finish(trainer)` before training) timed
+    per optimizer step after `warmup`: wall seconds of the step, and the seconds, policy-sampled tokens (the ones of
+    the returned tool/env mask, or every completion token without one) and completions of the trainer's
+    `_generate`, which every rollout path (rollout_func or TRL's own loop) runs inside."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from agentrl import stage
+    from agentrl.rewards import build_rewards
+
+    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
+    clock = {"seconds": 0.0, "tokens": 0, "completions": 0}
+    steps: list[dict] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t, self.at = time.perf_counter(), dict(clock)
+
+        def on_step_end(self, *a, **k):
+            steps.append({"step_s": time.perf_counter() - self.t, **{x: clock[x] - self.at[x] for x in clock}})
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        peft_config=stage.peft_config(params, "grpo"),
+        callbacks=[StepClock()],
+        **trainer_kwargs,
+    )
+    generate = trainer._generate
+
+    def timed_generate(prompts):
+        t = time.perf_counter()
+        out = generate(prompts)
+        clock["seconds"] += time.perf_counter() - t
+        completion_ids, mask = out[1], out[2]
+        clock["tokens"] += int(sum(map(sum, mask)) if mask is not None else sum(map(len, completion_ids)))
+        clock["completions"] += len(completion_ids)
+        return out
+
+    trainer._generate = timed_generate
+    if finish:
+        finish(trainer)
+    trainer.train()
+    return trainer, steps[warmup:]
+
+
+def chat_loops_side_by_side(params, make_model, tok, rows: list[dict], steps: int, warmup: int) -> dict:
+    """GRPO in the chat format (params with agent.format chat, in memory) through our tool loop as rollout_func
+    (grpo.ToolRollout) and through TRL's own environment loop (GRPOTrainer(environment_factory=...), what the grpo
+    stage runs for chat), one after the other on the same starting policy (`make_model()`, fresh for each), tokenizer
+    (a tool-calling chat template) and rows, built as grpo.train builds them (grpo_config, rollout_plan,
+    baked_tool_template): seconds per optimizer step and rollout tokens/s (timed_grpo) after `warmup` of `steps`
+    steps, tool calls per completion, and ours / TRL's."""
+    from agentrl import grpo
+    from agentrl.config import Params
+    from agentrl.tools import toolset_from_params
+
+    p = Params.model_validate({**params.model_dump(), "agent": {**params.agent.model_dump(), "format": "chat"}})
+    toolset = toolset_from_params(p.agent, tok.eos_token, p.environments)
+    if toolset is None:
+        raise SystemExit("bench: the chat-format comparison needs agent.tools or agent.environment")
+    kw = toolset.chat_template_kwargs()
+    # ToolRollout renders message prompts without the tools (the grpo stage hands chat to TRL): ours gets each prompt
+    # rendered as TRL renders it, tools described
+    rendered = [
+        {**r, "prompt": tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False, **kw)}
+        for r in rows
+    ]
+    prompt_tokens = statistics.mean(len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rendered)
+    out: dict = {"steps": steps, "warmup_steps": warmup, "mean_prompt_tokens": prompt_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def config():
+            args = grpo.grpo_config(p, output_dir=tmp, report_to="none")
+            args.max_steps, args.save_strategy, args.logging_steps = steps, "no", 1
+            return args
+
+        rollout = grpo.ToolRollout(toolset, rendered)
+        _, timed = timed_grpo(p, config(), make_model(), tok, rendered, warmup, rollout_func=rollout)
+        calls = rollout.curves["tools/tool_calls_per_problem"][warmup:]
+        out["ours"] = {"steps": timed, "tool_calls_per_completion": statistics.mean(calls)}
+
+        args = config()
+        _, factory = grpo.rollout_plan(p, args, tok, rows)
+        finish = grpo.baked_tool_template(tok)
+        trainer, timed = timed_grpo(p, args, make_model(), tok, rows, warmup, finish, environment_factory=factory)
+        calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
+        out["trl"] = {"steps": timed, "tool_calls_per_completion": statistics.mean(calls[warmup:])}
+    for side in ("ours", "trl"):
+        o = out[side]
+        o["seconds_per_step"] = statistics.median(x["step_s"] for x in o["steps"])
+        o["rollout_tokens_per_second"] = sum(x["tokens"] for x in o["steps"]) / sum(x["seconds"] for x in o["steps"])
+        o["sampled_tokens_per_completion"] = sum(x["tokens"] for x in o["steps"]) / sum(
+            x["completions"] for x in o["steps"]
+        )
+    out["step_time_ratio"] = out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"]
+    out["rollout_tokens_per_second_ratio"] = (
+        out["ours"]["rollout_tokens_per_second"] / out["trl"]["rollout_tokens_per_second"]
+    )
+    return out
+
+
+def tool_loop_speed(params, n: int, stage: str = "grpo", ceiling: bool = False) -> dict:
     """tool_loop_vs_plain on `stage`'s policy: the tool loop (tools from params.agent) against plain
-    `model.generate` on the first `n` held-out prompts, params.eval's batch size and max_new_tokens."""
+    `model.generate` on the first `n` held-out prompts, params.eval's batch size and max_new_tokens. `ceiling`: then
+    decode_ceiling on the same model, prompts and sizes, and both loops' tokens/s as fractions of it."""
     from agentrl.modeling import load_policy
     from agentrl.tools import toolset_from_params
 
@@ -287,7 +438,31 @@ def tool_loop_speed(params, n: int, stage: str = "grpo") -> dict:
     toolset = toolset_from_params(params.agent, tok.eos_token)
     prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[:n]]
     kw = toolset.chat_template_kwargs() if toolset else None
-    return tool_loop_vs_plain(model, tok, prompts, toolset, params.eval.max_new_tokens, params.eval.batch_size, kw)
+    max_new, bs = params.eval.max_new_tokens, params.eval.batch_size
+    out = tool_loop_vs_plain(model, tok, prompts, toolset, max_new, bs, kw)
+    if ceiling:
+        c = decode_ceiling(model, tok, prompts, max_new, bs, kw)["tokens_per_second"]
+        out["ceiling_tokens_per_second"] = c
+        for k in ("loop", "loop_sampled", "plain"):
+            out[f"{k}_fraction_of_ceiling"] = out[f"{k}_tokens_per_second"] / c
+    return out
+
+
+def chat_loops_speed(params, steps: int = CHAT_STEPS, warmup: int = CHAT_WARMUP) -> dict:
+    """chat_loops_side_by_side on the policy GRPO starts from (grpo.starting_model) and the first GRPO prompts the
+    run needs. The workspace's tokenizer keeps its template when it can render tool calls; otherwise (an inline-format
+    pipeline's) it gets Qwen3's in memory, as the base stage gives a chat-format pipeline's tokenizer."""
+    from trl.chat_template_utils import qwen3_chat_template, supports_tool_calling
+
+    from agentrl import grpo
+    from agentrl.modeling import STAGE_DIRS, load_tokenizer
+
+    tok = load_tokenizer(STAGE_DIRS["sft"])
+    if not supports_tool_calling(tok):
+        tok.chat_template = qwen3_chat_template
+    n = steps * grpo.check_batch(params) // params.grpo.trainer["num_generations"]
+    rows = load_jsonl(grpo.DATA)[:n]
+    return chat_loops_side_by_side(params, lambda: grpo.starting_model(params), tok, rows, steps, warmup)
 
 
 def timed(cmd: list[str], cwd: str | None = None) -> tuple[float, str]:
@@ -366,11 +541,14 @@ def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
 
 
 def tools_only(params, repeats: int, n: int) -> None:
-    """`make bench-tools`: the tool loop against plain generate, and the GRPO step with tools (medians of
-    `repeats` runs) -> metrics/bench_tools.json and BENCHMARKS-tools.md."""
+    """`make bench-tools`: the tool loop against plain generate and the decode ceiling, the GRPO step with tools,
+    and chat-format GRPO through our loop against TRL's environment loop (medians of `repeats` runs) ->
+    metrics/bench_tools.json and BENCHMARKS-tools.md."""
     R = range(repeats)
-    tl = [tool_loop_speed(params, n) for _ in R]
+    tl = [tool_loop_speed(params, n, ceiling=True) for _ in R]
     gr = [grpo_step_stats(params) for _ in R]
+    ch = [chat_loops_speed(params) for _ in R]
+    side_keys = ("seconds_per_step", "rollout_tokens_per_second", "sampled_tokens_per_completion")
     res = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "repeats": repeats,
@@ -378,16 +556,46 @@ def tools_only(params, repeats: int, n: int) -> None:
         "tools": list(params.agent.tools),
         "tool_loop": {
             k: stats([x[k] for x in tl])
-            for k in ("loop_tokens_per_second", "loop_sampled_tokens_per_second", "plain_tokens_per_second", "ratio")
+            for k in (
+                "loop_tokens_per_second",
+                "loop_sampled_tokens_per_second",
+                "plain_tokens_per_second",
+                "ratio",
+                "ceiling_tokens_per_second",
+                "loop_fraction_of_ceiling",
+                "loop_sampled_fraction_of_ceiling",
+                "plain_fraction_of_ceiling",
+            )
         },
         "tool_calls": tl[0]["tool_calls"],
         "grpo": {
             k: stats([x[k] for x in gr]) for k in ("seconds_per_step", "generation_share", "rollout_tokens_per_second")
         },
+        "chat_grpo": {
+            "steps": CHAT_STEPS,
+            "warmup_steps": CHAT_WARMUP,
+            "mean_prompt_tokens": ch[0]["mean_prompt_tokens"],
+            **{
+                side: {
+                    **{k: stats([x[side][k] for x in ch]) for k in side_keys},
+                    "tool_calls_per_completion": [x[side]["tool_calls_per_completion"] for x in ch],
+                }
+                for side in ("ours", "trl")
+            },
+            **{k: stats([x[k] for x in ch]) for k in ("step_time_ratio", "rollout_tokens_per_second_ratio")},
+        },
     }
     res["tool_loop_vs_plain_generate_ratio"] = res["tool_loop"]["ratio"]["median"]
+    res["tool_loop_fraction_of_decode_ceiling"] = res["tool_loop"]["loop_fraction_of_ceiling"]["median"]
+    res["plain_generate_fraction_of_decode_ceiling"] = res["tool_loop"]["plain_fraction_of_ceiling"]["median"]
+    res["chat_grpo_step_time_ours_over_trl"] = res["chat_grpo"]["step_time_ratio"]["median"]
+    res["chat_grpo_rollout_tokens_per_second_ours_over_trl"] = res["chat_grpo"]["rollout_tokens_per_second_ratio"][
+        "median"
+    ]
     write_json("metrics/bench_tools.json", res)
-    t, g = res["tool_loop"], res["grpo"]
+    t, g, c = res["tool_loop"], res["grpo"], res["chat_grpo"]
+    timed_steps = f"steps {CHAT_WARMUP + 1}–{CHAT_STEPS}"
+    calls = {side: ", ".join(f"{x:.2f}" for x in c[side]["tool_calls_per_completion"]) for side in ("ours", "trl")}
     mm = lambda x, f="{:.3f}": f"{f.format(x['median'])} ({f.format(x['min'])}–{f.format(x['max'])})"  # noqa: E731
     lines = [
         "# Benchmarks: the tool loop",
@@ -409,6 +617,34 @@ def tools_only(params, repeats: int, n: int) -> None:
         f"| GRPO share of a step spent generating | {mm(g['generation_share'], '{:.2f}')} | |",
         f"| GRPO rollout tokens/s | {mm(g['rollout_tokens_per_second'], '{:.0f}')} | tokens the policy sampled / "
         "rollout time |",
+        f"| decode ceiling, tokens/s | {mm(t['ceiling_tokens_per_second'], '{:.0f}')} | bare batched greedy decode "
+        "on the same model, prompts and batch: one prefill, then one forward per token with the KV cache and an "
+        f"argmax, every prompt to {params.eval.max_new_tokens} tokens (no stopping, no tool) |",
+        f"| **tool loop / decode ceiling** | {mm(t['loop_fraction_of_ceiling'], '{:.2f}')} (sampled only: "
+        f"{mm(t['loop_sampled_fraction_of_ceiling'], '{:.2f}')}) | loop tokens/s ÷ ceiling tokens/s |",
+        f"| plain `generate` / decode ceiling | {mm(t['plain_fraction_of_ceiling'], '{:.2f}')} | plain tokens/s ÷ "
+        "ceiling tokens/s |",
+        f"| chat format, GRPO step: ours / TRL's | {mm(c['step_time_ratio'], '{:.2f}')} (ours "
+        f"{mm(c['ours']['seconds_per_step'], '{:.1f}')} s, TRL's {mm(c['trl']['seconds_per_step'], '{:.1f}')} s) | "
+        "params.yaml's grpo config with agent.format chat, the policy GRPO starts from and the same prompts; ours: "
+        "the tool loop as rollout_func (grpo.ToolRollout), TRL's: GRPOTrainer(environment_factory=...); seconds "
+        f"per optimizer step, {timed_steps} of each |",
+        f"| chat format, rollout tokens/s: ours / TRL's | {mm(c['rollout_tokens_per_second_ratio'], '{:.2f}')} "
+        f"(ours {mm(c['ours']['rollout_tokens_per_second'], '{:.0f}')}, TRL's "
+        f"{mm(c['trl']['rollout_tokens_per_second'], '{:.0f}')}) | tokens the policy sampled ÷ seconds in the "
+        f"trainer's `_generate` (both loops run inside it), {timed_steps}; "
+        f"{c['ours']['sampled_tokens_per_completion']['median']:.0f} vs "
+        f"{c['trl']['sampled_tokens_per_completion']['median']:.0f} sampled tokens per completion |",
+        "",
+        f"Chat format: prompts of {c['mean_prompt_tokens']:.0f} tokens on average (Qwen3's tool description; the "
+        "base stage trains the tokenizer on it only when the pipeline runs in the chat format). Tool calls per "
+        f"completion, one figure per run: ours: {calls['ours']}; TRL's: {calls['trl']}"
+        + (
+            ". Neither loop ran a tool here (a policy trained in the inline format does not write chat tool calls): "
+            "this compares chat-format generation and the GRPO step, not tool turns."
+            if not any(x for side in ("ours", "trl") for x in c[side]["tool_calls_per_completion"])
+            else "."
+        ),
     ]
     Path("BENCHMARKS-tools.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
