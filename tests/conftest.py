@@ -34,6 +34,11 @@ TINY_DIMS = dict(
 
 
 # --------------------------------------------------------------------- subprocesses of the project's tools
+# `make <target>` as the tests run it: quiet, no "Entering directory" lines (under `make test` MAKELEVEL turns
+# them on), set-up taken as done
+MAKE = ["make", "-s", "--no-print-directory", "-o", "setup"]
+
+
 def tool_env(wandb_mode: Optional[str] = "offline", **extra: str) -> dict:
     """The environment to run the project's tools in a subprocess: os.environ with this interpreter's bin/ first
     on PATH (dvc, accelerate), the git identity, WANDB_MODE (unchanged when None) and `extra`."""

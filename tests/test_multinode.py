@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.serving.local import free_port
-from conftest import ROOT, accelerate_launch, mini_params, tool_env, write_params
+from conftest import MAKE, ROOT, accelerate_launch, mini_params, tool_env, write_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -37,17 +37,7 @@ def curve(run: Path, stage: str) -> list[dict]:
 def multinode(run: Path, stage: str, port: int, timeout_s: int = 1200) -> list[str]:
     """`make train-multinode` on two "machines" (machine ranks 0 and 1 at once), as each node of a real job runs
     it; the outputs of both (AssertionError with both tails when one fails)."""
-    cmd = [
-        "make",
-        "-s",
-        "--no-print-directory",
-        "-o",
-        "setup",
-        "train-multinode",
-        f"VENV={sys.prefix}",
-        f"STAGE={stage}",
-        "NPROC=2",
-    ]
+    cmd = [*MAKE, "train-multinode", f"VENV={sys.prefix}", f"STAGE={stage}", "NPROC=2"]
     cmd += ["NUM_MACHINES=2", "MAIN_IP=127.0.0.1", f"MAIN_PORT={port}"]
     env = tool_env("offline", OMP_NUM_THREADS="1")
     procs = [

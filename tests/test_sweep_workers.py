@@ -21,7 +21,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import ROOT, mini_params, tool_env
+from conftest import MAKE, ROOT, mini_params, tool_env
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import sweep_worker  # noqa: E402
@@ -509,16 +509,7 @@ def test_dashboard_renders_the_study_in_chromium(tmp_path):
         t.set_user_attr("worker", f"w{n % 2}")
         study.tell(t, acc)
     port = free_port()
-    cmd = [
-        "make",
-        "-s",
-        "--no-print-directory",
-        "-o",
-        "setup",
-        "sweep-dashboard",
-        f"VENV={sys.prefix}",
-        f"STORAGE={storage}",
-    ]
+    cmd = [*MAKE, "sweep-dashboard", f"VENV={sys.prefix}", f"STORAGE={storage}"]
     server = subprocess.Popen(cmd + [f"DASH_PORT={port}"], cwd=ROOT, env=tool_env(None), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
