@@ -171,7 +171,7 @@ bench: setup ## benchmarks: step times, memory, tool loop, serving (metrics/benc
 	python scripts/bench.py
 
 # Only the tool loop's figures (loop vs plain generate, GRPO step with tools): metrics/bench_tools.json
-bench-tools: setup ## only the tool loop's figures (loop vs plain generate, GRPO step)
+bench-tools: setup ## the tool loop vs plain generate, the decode ceiling and TRL's env loop
 	python scripts/bench.py --tools-only
 
 # The cost of reproducibility.mode portable vs native (SFT and GRPO step times, each mode in its own processes,

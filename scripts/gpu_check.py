@@ -262,7 +262,8 @@ class Check:
         self.params = check_params(self.cpu, self.stand_in)  # puts ROOT/src on sys.path
         from agentrl.scratch import copy_repo
 
-        copy_repo(ROOT, self.work, only=("src", "configs"))
+        # dvc.yaml: the training stages' resume fingerprint hashes the code deps it lists (stage.code_digest)
+        copy_repo(ROOT, self.work, only=("src", "configs", "dvc.yaml"))
         self.env = {
             **os.environ,
             "PYTHONPATH": str(self.work / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
