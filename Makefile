@@ -170,7 +170,8 @@ sweep-dashboard: setup ## optuna-dashboard on STORAGE (DASH_PORT)
 bench: setup ## benchmarks: step times, memory, tool loop, serving (metrics/bench*.json)
 	python scripts/bench.py
 
-# Only the tool loop's figures (loop vs plain generate, GRPO step with tools): metrics/bench_tools.json
+# The tool loop's figures: loop vs plain generate and the bare-decode ceiling, GRPO step with tools, and the chat
+# format through our loop vs TRL's environment_factory loop: metrics/bench_tools.json, BENCHMARKS-tools.md
 bench-tools: setup ## the tool loop vs plain generate, the decode ceiling and TRL's env loop
 	python scripts/bench.py --tools-only
 
