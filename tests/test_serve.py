@@ -98,6 +98,27 @@ def test_the_model_is_loaded_in_the_precision_params_name(tiny_model_dir, tmp_pa
         assert r.status_code == 200 and 1 <= r.json()["tokens"] <= 4, r.text
 
 
+def test_a_served_environment_takes_its_knobs_from_params(tiny_model_dir, tmp_path, monkeypatch):
+    """agent.environment's runtime knobs come from params.environments in the server too (as in training and
+    evaluation), not from the environment class's own defaults."""
+    from fastapi.testclient import TestClient
+
+    from agentrl.serve import app
+
+    cfg = mini_params()
+    cfg["agent"].update(tools=[], environment="gridworld")
+    cfg["environments"]["gridworld"].update(slip_prob=0.05, max_moves=7)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("AGENTRL_MODEL_PATH", str(tiny_model_dir))
+    monkeypatch.setenv("AGENTRL_PARAMS", str(tmp_path / "params.yaml"))
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        toolset = app.state.engine.toolset
+        assert toolset.env_kwargs == {"slip_prob": 0.05, "max_moves": 7}
+        env = toolset.factory()  # what each served episode is made from
+        assert (env.slip_prob, env.max_moves) == (0.05, 7)
+
+
 def test_generate(server):
     q = "Tom has 3 apples and buys 4 more. How many apples does he have?"
     r = httpx.post(server + "/generate", json={"text": q, "max_tokens": 12, "temperature": 0}, timeout=60)

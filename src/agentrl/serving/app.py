@@ -27,7 +27,7 @@ from .schema import DEFAULT_MAX_TOKENS, ChatRequest, GenerateRequest, GenerateRe
 from .streaming import chat_stream
 
 
-def _settings() -> tuple[str, ServeParams, AgentParams, ModelParams]:
+def _settings() -> tuple[str, ServeParams, AgentParams, ModelParams, dict]:
     params_file = os.environ.get("AGENTRL_PARAMS", "params.yaml")
     if not os.path.exists(params_file):  # params.yaml is the one place the settings live (no schema defaults)
         source = "AGENTRL_PARAMS" if "AGENTRL_PARAMS" in os.environ else "params.yaml"
@@ -37,7 +37,7 @@ def _settings() -> tuple[str, ServeParams, AgentParams, ModelParams]:
         )
     params = load_params(params_file)
     cfg, agent, model = params.serve, params.agent, params.model
-    return os.environ.get("AGENTRL_MODEL_PATH", cfg.model_path), cfg, agent, model
+    return os.environ.get("AGENTRL_MODEL_PATH", cfg.model_path), cfg, agent, model, params.environments
 
 
 def check_model_dir(path: str) -> None:
@@ -55,9 +55,9 @@ def check_model_dir(path: str) -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    path, cfg, agent, model = _settings()
+    path, cfg, agent, model, environments = _settings()
     check_model_dir(path)
-    engine = Engine(path, cfg, agent, torch_dtype(model.precision))  # as evaluation loads the policy
+    engine = Engine(path, cfg, agent, torch_dtype(model.precision), environments)  # as evaluation loads it
     app.state.engine = engine
     task = asyncio.create_task(engine.worker())
     yield

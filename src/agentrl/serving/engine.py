@@ -139,15 +139,23 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
 class Engine:
     """Holds the model and tokenizers; batches jobs; computes answer confidences from token probabilities."""
 
-    def __init__(self, model_path: str, cfg: ServeParams, agent: AgentParams, dtype: torch.dtype):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: ServeParams,
+        agent: AgentParams,
+        dtype: torch.dtype,
+        environments: Optional[dict] = None,
+    ):
         self.path, self.cfg = model_path, cfg
         # two tokenizer objects: requests are encoded on the tokenizer thread while the model thread decodes
         self.encoder, self.tokenizer = load_tokenizer(model_path), load_tokenizer(model_path)
         self.model = load_model(model_path, dtype).to("cuda" if torch.cuda.is_available() else "cpu").eval()
         self.context = int(getattr(self.model.config, "max_position_embeddings", 4096))
         # the tools the policy was trained with (params.yaml agent.*): calls run server-side, in the same loop
-        # as GRPO rollouts and evaluation, bounded by agent.max_tool_calls and agent.max_expression_chars
-        self.toolset = toolset_from_params(agent, self.tokenizer.eos_token)
+        # as GRPO rollouts and evaluation, bounded by agent.max_tool_calls and agent.max_expression_chars; a
+        # built-in environment with its knobs from params.environments, as in training and evaluation
+        self.toolset = toolset_from_params(agent, self.tokenizer.eos_token, environments)
         self.template_kwargs = self.toolset.chat_template_kwargs() if self.toolset else {}
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
