@@ -18,6 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from agentrl.overrides import leaves  # noqa: E402
+
 # column title, metrics file, key, format (None: not run)
 COLUMNS = (
     ("sft", "metrics/compare.json", "sft_accuracy", "pct"),
@@ -39,23 +43,12 @@ def fmt(value, kind: str) -> str:
     return {"pct": f"{100 * x:.1f}", "signed": f"{100 * x:+.1f}", "sci": f"{x:.1e}"}[kind]
 
 
-def leaves(d: dict, prefix: str = "") -> dict:
-    """{'a': {'b': 1}} -> {'a.b': 1} (params as DVC names them for `-S`)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out |= leaves(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def figures(rev: dict) -> tuple[dict, dict]:
     """(metrics file -> metrics, params leaves) of one `dvc exp show --json` entry."""
     data = rev.get("data") or {}
     metrics = {path: (m or {}).get("data") or {} for path, m in (data.get("metrics") or {}).items()}
     params = ((data.get("params") or {}).get("params.yaml") or {}).get("data") or {}
-    return metrics, leaves(params)
+    return metrics, dict(leaves(params))  # params as DVC names them for `-S`
 
 
 def rows(show: list[dict]) -> list[dict]:
