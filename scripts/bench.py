@@ -40,6 +40,12 @@ EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_toke
 CHAT_STEPS, CHAT_WARMUP = 4, 1  # chat-format GRPO steps per trainer, the first left out (~25 s each on 2 cores)
 
 
+def sync(model) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a timer reads what it ran."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def tool_loop_vs_plain(model, tok, prompts: list, toolset, max_new: int, batch_size: int, template_kwargs=None) -> dict:
     """Generated tokens/s of the tool loop (agent.generate_with_tools) against one plain `model.generate` per
     batch on the same prompts and batch size (no tool runs there: the model writes every result itself), greedy,
@@ -49,18 +55,14 @@ def tool_loop_vs_plain(model, tok, prompts: list, toolset, max_new: int, batch_s
 
     from agentrl.agent import generate_with_tools
 
-    def sync():
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-
     kw = template_kwargs or {}
     generate_with_tools(model, tok, prompts[:2], toolset, 4, batch_size=batch_size, chat_template_kwargs=kw)
-    sync()
+    sync(model)
     t = time.perf_counter()
     rolls = [
         r[0] for r in generate_with_tools(model, tok, prompts, toolset, max_new, batch_size, chat_template_kwargs=kw)
     ]
-    sync()
+    sync(model)
     loop_s = time.perf_counter() - t
     tok.padding_side = "left"
     texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **kw) for p in prompts]
@@ -77,7 +79,7 @@ def tool_loop_vs_plain(model, tok, prompts: list, toolset, max_new: int, batch_s
             )
             for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
                 plain_tokens += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
-    sync()
+    sync(model)
     plain_s = time.perf_counter() - t
     loop_tokens = sum(r.num_tokens for r in rolls)
     return {
@@ -116,19 +118,15 @@ def decode_ceiling(model, tok, prompts: list, max_new: int, batch_size: int, tem
     tok.padding_side = "left"
     texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **kw) for p in prompts]
 
-    def sync():
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-
     def decode(batch: list[str], n: int) -> torch.Tensor:
         enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         return bare_greedy_decode(model, enc["input_ids"], enc["attention_mask"], n)
 
     decode(texts[:2], 4)
-    sync()
+    sync(model)
     t = time.perf_counter()
     tokens = sum(decode(texts[i : i + batch_size], max_new).numel() for i in range(0, len(texts), batch_size))
-    sync()
+    sync(model)
     seconds = time.perf_counter() - t
     return {"tokens_per_second": tokens / seconds, "tokens": tokens, "seconds": seconds}
 
