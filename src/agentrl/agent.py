@@ -5,13 +5,17 @@ it writes `<<48/2=`), that row stops; once the batch pauses, the call runs and i
 appended to the row as tokens that are never sampled (env_mask 0), and the row continues from its KV
 cache. Rows that make no call are unaffected; with no tools it is plain batched sampling.
 
-How a batch runs: one `model.generate` call runs until every row has either ended (eos), opened a
-call, used its token budget, or until PRUNE_SHARE of the rows have stopped (then the rest pause too,
-so rows that are waiting for a tool or that have ended do not sit idle while the others decode). Ended
-rows leave the batch and its cache; waiting rows get their tool result appended (right-aligned, the
-gap masked out); the next call prefills only the new tokens. Rows stopped early inside a call are
-padded by `generate` while the others continue: the stop position is recorded per row, so a pad or
-eos is never mistaken for the end of a row that is waiting for a tool.
+How a batch runs (`generate_with_tools` is a short driver over these steps): `_reset_episodes` gives every
+completion its own environment episode; per batch, `_start_batch` holds the encoded prompts and one Rollout per
+row. Then `_generate_segment` runs one `model.generate` call until every row has either ended (eos), opened a
+call, used its token budget, or until PRUNE_SHARE of the rows have stopped (then the rest pause too, so rows
+that are waiting for a tool or that have ended do not sit idle while the others decode); `_Stops` records each
+row's stop position, so a pad or eos that `generate` writes after a row stopped is never mistaken for the end
+of a row that is waiting for a tool. `_settle_rows` then decides each row in turn: it finishes (eos, length,
+tool_limit, a serving hook), or the environment's response to its calls is appended (`_respond`: never sampled,
+env_mask 0, logprob None; a multi-turn environment's observations come back this way too), or it continues as
+it is. `_extend` adds the continuing rows' responses as one right-aligned block (the gap masked out) and drops
+the ended rows from the batch and its cache; the next call prefills only the new tokens.
 """
 
 from __future__ import annotations
@@ -50,43 +54,58 @@ class Rollout:
         return sum(not c["ok"] for c in self.calls)
 
 
-class _Stops(StoppingCriteria):
-    """Per-row stop: eos, an opened tool call or the row's budget; records where each row stopped.
-    The whole call pauses once `share` of the rows have stopped."""
+@dataclass
+class _Batch:
+    """A batch in flight. Batch row r is `rolls[active[r]]`; `ids` and `mask` (left-padded) are what the next
+    `generate` call continues from, `cache` its KV cache. Per roll: its token budget and (prompt index, sample)."""
 
-    def __init__(
-        self,
-        start: int,
-        eos: set[int],
-        budgets: list[int],
-        row_text,
-        fmt,
-        trigger_ids: Optional[set],
-        share: float,
-        hook=None,
-    ):
-        self.start, self.eos, self.budgets, self.row_text, self.fmt = start, eos, budgets, row_text, fmt
-        self.trigger_ids, self.share, self.hook = trigger_ids, share, hook
+    rolls: list[Rollout]
+    limits: list[int]
+    keys: list[tuple[int, int]]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    active: list[int]
+    cache: object = None
+
+
+class _Stops(StoppingCriteria):
+    """Per-row stop: eos, an opened tool call, the row's budget or `row_hook`; records where each row stopped.
+    The whole call pauses once `share` of the rows have stopped. What it needs of the batch (each row's budget
+    left, its completion so far, its (prompt index, sample) for the hook) is read when the segment starts."""
+
+    def __init__(self, batch: _Batch, eos: set[int], tokenizer, fmt, trigger_ids: Optional[set], share: float, hook):
+        self.start = batch.ids.shape[1]
+        self.budgets = [batch.limits[a] - batch.rolls[a].num_tokens for a in batch.active]
+        self.prefixes = [batch.rolls[a].completion_ids for a in batch.active]
+        self.keys = [batch.keys[a] for a in batch.active]
+        self.eos, self.tokenizer, self.fmt, self.trigger_ids = eos, tokenizer, fmt, trigger_ids
+        self.share, self.hook = share, hook
         self.stop_at: dict[int, tuple[int, str]] = {}  # row -> (index of its last real new token, reason)
+
+    def _completion(self, r: int, input_ids: torch.LongTensor) -> list[int]:
+        """Row r's completion so far: the earlier segments' tokens, then this segment's."""
+        return self.prefixes[r] + input_ids[r, self.start :].tolist()
+
+    def _reason(self, r: int, tok: int, n: int, input_ids: torch.LongTensor) -> Optional[str]:
+        if tok in self.eos:
+            return "eos"
+        if self.fmt is not None and tok in self.trigger_ids:
+            text = self.tokenizer.decode(self._completion(r, input_ids), skip_special_tokens=False)
+            if self.fmt.open_call(text) is not None:
+                return "call"
+        if n >= self.budgets[r]:
+            return "length"
+        if self.hook is not None and self.hook(*self.keys[r], self._completion(r, input_ids)):
+            return "hook"
+        return None
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         n = input_ids.shape[1] - self.start
         last = input_ids[:, -1].tolist()
         for r, tok in enumerate(last):
-            if r in self.stop_at:
-                continue
-            if tok in self.eos:
-                self.stop_at[r] = (n - 1, "eos")
-            elif (
-                self.fmt is not None
-                and tok in self.trigger_ids
-                and self.fmt.open_call(self.row_text(r, input_ids[r, self.start :].tolist())) is not None
-            ):
-                self.stop_at[r] = (n - 1, "call")
-            elif n >= self.budgets[r]:
-                self.stop_at[r] = (n - 1, "length")
-            elif self.hook is not None and self.hook(r, input_ids[r, self.start :].tolist()):
-                self.stop_at[r] = (n - 1, "hook")
+            reason = None if r in self.stop_at else self._reason(r, tok, n, input_ids)
+            if reason is not None:
+                self.stop_at[r] = (n - 1, reason)
         stopped = torch.zeros(len(last), dtype=torch.bool, device=input_ids.device)
         if self.stop_at:
             stopped[list(self.stop_at)] = True
@@ -106,6 +125,225 @@ def _trigger_ids(tokenizer, trigger: str) -> set[int]:
 
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
+
+
+# --------------------------------------------------------------------- the steps of generate_with_tools
+def _reset_episodes(toolset: Optional[Toolset], prompts: list, rows: Optional[list[dict]], num_samples: int):
+    """One environment episode per completion, reset with its prompt's row -> (prompts, episodes[prompt][sample]),
+    episodes None without a toolset. An observation that reset returns (the first sample's) is appended to the
+    prompt's last message; the caller's list is not changed."""
+    if toolset is None:
+        return prompts, None
+    episodes: list[list[Episode]] = []
+    for i in range(len(prompts)):
+        episodes.append([toolset.episode(rows[i] if rows is not None else None) for _ in range(num_samples)])
+        obs = episodes[i][0].observation
+        if obs is not None:
+            if not (isinstance(prompts[i], list) and prompts[i] and isinstance(prompts[i][-1], dict)):
+                raise ValueError("an environment whose reset() returns an observation needs chat-message prompts")
+            last = prompts[i][-1]
+            prompts = list(prompts)
+            prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + obs}]
+    return prompts, episodes
+
+
+def _prompt_inputs(tokenizer, prompts: list, chat_kw: dict) -> list:
+    """Each prompt as token ids or text: ids and strings as given, chat messages rendered with the generation prompt."""
+    return [
+        p
+        if isinstance(p, str) or _is_ids(p)
+        else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **chat_kw)
+        for p in prompts
+    ]
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    """The tokenizer's eos ids and the model's generation_config ones."""
+    eos_ids = tokenizer.eos_token_id
+    eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or [])
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    eos |= {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or [])
+    return eos
+
+
+def _generate_kwargs(
+    temperature: float, top_p: float, top_k: int, pad: int, eos: set[int], return_logprobs: bool, extra: dict
+) -> dict:
+    """The arguments every `generate` call of the loop shares."""
+    kw = dict(
+        do_sample=temperature > 0, pad_token_id=pad, eos_token_id=sorted(eos), return_dict_in_generate=True, **extra
+    )
+    if temperature > 0:
+        kw.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    if return_logprobs:
+        kw["output_scores"] = True
+    return kw
+
+
+def _encode_batch(tokenizer, inputs: list, pad: int) -> dict:
+    """input_ids and attention_mask, left-padded. A batch of token-id prompts is taken as it is; one that mixes
+    them with text is tokenized from text."""
+    if all(isinstance(x, list) for x in inputs):
+        width = max(len(x) for x in inputs)
+        return {
+            "input_ids": torch.tensor([[pad] * (width - len(x)) + x for x in inputs]),
+            "attention_mask": torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs]),
+        }
+    return tokenizer(
+        [x if isinstance(x, str) else tokenizer.decode(x) for x in inputs],
+        return_tensors="pt",
+        padding=True,
+        add_special_tokens=False,
+    )
+
+
+def _start_batch(
+    enc, idx: list[int], num_samples: int, device, episodes, budgets: list[int], return_logprobs: bool
+) -> _Batch:
+    """The batch of prompts `idx` (encoded as `enc`), each repeated num_samples times, one Rollout per row."""
+    ids = enc["input_ids"].repeat_interleave(num_samples, dim=0).to(device)
+    mask = enc["attention_mask"].repeat_interleave(num_samples, dim=0).to(device)
+    keys = [(idx[r // num_samples], r % num_samples) for r in range(ids.shape[0])]
+    rolls = [
+        Rollout(
+            prompt_ids=[t for t, m in zip(ids[r].tolist(), mask[r].tolist()) if m],
+            logprobs=[] if return_logprobs else None,
+            episode=episodes[i][s] if episodes is not None else None,
+        )
+        for r, (i, s) in enumerate(keys)
+    ]
+    return _Batch(rolls, [budgets[i] for i, _ in keys], keys, ids, mask, list(range(len(rolls))))
+
+
+def _generate_segment(model, batch: _Batch, stops: _Stops, gen_kw: dict, return_logprobs: bool):
+    """One `generate` call from the batch's tokens and cache until `stops` pauses it -> (sequences, the new
+    tokens, per row the log-probability of each new token under the sampling distribution or None)."""
+    res = model.generate(
+        input_ids=batch.ids,
+        attention_mask=batch.mask,
+        past_key_values=batch.cache,
+        max_new_tokens=max(stops.budgets),
+        stopping_criteria=StoppingCriteriaList([stops]),
+        **gen_kw,
+    )
+    batch.cache = res.past_key_values
+    new = res.sequences[:, stops.start :]
+    if not return_logprobs:
+        return res.sequences, new, None
+    # log-softmax of the (processed) scores at each step, at the sampled token
+    steps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in res.scores], dim=1)
+    return res.sequences, new, steps.gather(2, new[:, : steps.shape[1]].unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _append(roll: Rollout, toks: list[int], sampled: bool, logprobs: Optional[list] = None) -> None:
+    """Tokens at the end of a completion: sampled by the policy (env_mask 1, with their logprobs) or inserted by
+    the environment (env_mask 0, logprob None)."""
+    roll.completion_ids += toks
+    roll.env_mask += [int(sampled)] * len(toks)
+    if roll.logprobs is not None:
+        roll.logprobs += logprobs if sampled else [None] * len(toks)
+
+
+def _opened_calls(roll: Rollout, reason: str, tokenizer, fmt) -> list:
+    """The calls a row's segment ended on: inline, the call it stopped at; chat, every call of the turn it ended."""
+    if reason not in ("call", "eos"):
+        return []
+    body = roll.completion_ids[:-1] if reason == "eos" else roll.completion_ids
+    return fmt.open_calls(tokenizer.decode(body, skip_special_tokens=False), at_eos=(reason == "eos"))
+
+
+def _respond(roll: Rollout, calls: list, limit: int, tokenizer, toolset: Toolset) -> Optional[list[int]]:
+    """Runs the calls in the row's episode, in order (chat: every call of the turn, as TRL's loop runs them), and
+    appends the environment's response (never sampled), cut at the row's budget -> its tokens, or None when the row
+    ends: more calls than max_calls (tool_limit, none of them runs) or its budget is used up (length)."""
+    if len(roll.calls) + len(calls) > toolset.max_calls:
+        roll.finish_reason = "tool_limit"
+        return None
+    results = []
+    for call in calls:
+        result, ok = roll.episode.run(call)
+        name = call.name or toolset.names[0]
+        roll.calls.append({"name": name, "arguments": call.arguments, "result": result, "ok": ok})
+        results.append(result)
+    ins = _encode(tokenizer, toolset.format.render_results(results))[: limit - roll.num_tokens]
+    _append(roll, ins, sampled=False)
+    if roll.num_tokens >= limit:
+        roll.finish_reason = "length"
+        return None
+    return ins
+
+
+def _next(roll: Rollout, reason: str, limit: int, tokenizer, toolset: Optional[Toolset]) -> Optional[list[int]]:
+    """After a row's segment ended with `reason`: None when the row finishes (finish_reason set), else the tokens
+    to insert before it continues: the environment's response to the calls it made, or [] (it paused, or stopped
+    at a call that is not complete yet)."""
+    if reason == "hook":
+        roll.finish_reason = "stop"
+        return None
+    calls = _opened_calls(roll, reason, tokenizer, toolset.format) if toolset is not None else []
+    if calls:
+        return _respond(roll, calls, limit, tokenizer, toolset)
+    if reason == "eos":
+        roll.finish_reason = "stop"
+        return None
+    if reason == "length" or roll.num_tokens >= limit:  # stopped at its budget, or paused on its last token
+        roll.finish_reason = "length"
+        return None
+    return []
+
+
+def _settle_rows(batch: _Batch, stops: _Stops, new: torch.Tensor, lp: Optional[list], tokenizer, toolset):
+    """Each row's tokens of the segment go to its Rollout (up to where it stopped: `generate` pads a stopped row
+    while the others go on), then the row finishes or gets its insert (`_next`), in row order -> (the batch rows
+    that continue, their inserts, the segment's attention mask: 0 after each row's stop)."""
+    n_new = new.shape[1]
+    new_mask = batch.mask.new_ones(len(batch.active), n_new)
+    keep, inserts = [], []
+    for r, a in enumerate(batch.active):
+        roll = batch.rolls[a]
+        last, reason = stops.stop_at.get(r, (n_new - 1, "paused"))
+        toks = new[r, : last + 1].tolist()
+        new_mask[r, last + 1 :] = 0
+        _append(roll, toks, sampled=True, logprobs=lp[r][: len(toks)] if lp is not None else None)
+        ins = _next(roll, reason, batch.limits[a], tokenizer, toolset)
+        if ins is not None:
+            keep.append(r)
+            inserts.append(ins)
+    return keep, inserts, new_mask
+
+
+def _extend(batch: _Batch, seqs: torch.Tensor, new_mask: torch.Tensor, keep: list[int], inserts: list, pad: int):
+    """The rows in `keep` continue from the segment's tokens and their inserts, added as one right-aligned block
+    (the gap before each insert masked out); the rows that finished leave the batch and its cache."""
+    ids, device = batch.ids, batch.ids.device
+    width = max(len(x) for x in inserts)
+    if width:
+        # Every row's latest token must sit in the last column (generate continues from there). A row
+        # without a tool result moves its latest token (sampled, not yet in the cache) to the end.
+        for j, r in enumerate(keep):
+            if not inserts[j]:
+                inserts[j] = [int(seqs[r, -1])]
+                new_mask[r, -1] = 0
+                seqs[r, -1] = pad  # what logits processors see in the gap, as in left padding
+    block = torch.full((len(keep), width), pad, dtype=ids.dtype, device=device)
+    block_mask = torch.zeros((len(keep), width), dtype=batch.mask.dtype, device=device)
+    for j, ins in enumerate(inserts):
+        if ins:  # right-aligned; the gap before it is masked out
+            block[j, width - len(ins) :] = torch.tensor(ins, dtype=ids.dtype, device=device)
+            block_mask[j, width - len(ins) :] = 1
+    keep_t = torch.tensor(keep, device=device)
+    batch.mask = torch.cat([batch.mask, new_mask], dim=1)[keep_t]
+    batch.ids = seqs[keep_t]
+    if width:
+        batch.ids = torch.cat([batch.ids, block], dim=1)
+        batch.mask = torch.cat([batch.mask, block_mask], dim=1)
+    if len(keep) < len(batch.active):
+        batch.cache.batch_select_indices(keep_t)
+    batch.active = [batch.active[r] for r in keep]
 
 
 @torch.inference_mode()
@@ -139,197 +377,38 @@ def generate_with_tools(
     returns is appended to the prompt's last message, as TRL's environment_factory loop does.
     """
     tokenizer.padding_side = "left"
-    kw = chat_template_kwargs or {}
     if rows is not None and len(rows) != len(prompts):
         raise ValueError(f"generate_with_tools: {len(rows)} rows for {len(prompts)} prompts")
-    episodes: list[list[Episode]] = [[] for _ in prompts]
-    if toolset is not None:
-        for i in range(len(prompts)):
-            for _ in range(num_samples):
-                ep = toolset.episode(rows[i] if rows is not None else None)
-                episodes[i].append(ep)
-            obs = episodes[i][0].observation
-            if obs is not None:
-                if not (isinstance(prompts[i], list) and prompts[i] and isinstance(prompts[i][-1], dict)):
-                    raise ValueError("an environment whose reset() returns an observation needs chat-message prompts")
-                last = prompts[i][-1]
-                prompts = list(prompts)
-                prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + obs}]
-    ids_in = [p if isinstance(p, list) and (not p or isinstance(p[0], int)) else None for p in prompts]
-    texts = [
-        None
-        if ids_in[i] is not None
-        else p
-        if isinstance(p, str)
-        else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **kw)
-        for i, p in enumerate(prompts)
-    ]
-    budget_of = (
-        (lambda i: max_new_tokens[i]) if isinstance(max_new_tokens, (list, tuple)) else (lambda i: max_new_tokens)
-    )
-    order = sorted(range(len(prompts)), key=lambda i: len(ids_in[i]) * 4 if ids_in[i] is not None else len(texts[i]))
+    prompts, episodes = _reset_episodes(toolset, prompts, rows, num_samples)
+    inputs = _prompt_inputs(tokenizer, prompts, chat_template_kwargs or {})
+    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    # by length (a token counts as 4 characters), so that a batch pads little
+    order = sorted(range(len(prompts)), key=lambda i: len(inputs[i]) * (4 if isinstance(inputs[i], list) else 1))
     device = next(model.parameters()).device
-    eos_ids = tokenizer.eos_token_id
-    eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or [])
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    eos |= {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or [])
+    eos = _eos_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
     fmt = toolset.format if toolset is not None else None
     # inline calls complete on a token containing '='; chat calls end the turn, so they are checked at eos
     trigger_ids = None if fmt is None else _trigger_ids(tokenizer, fmt.trigger) if fmt.name == "inline" else set()
     if seed is not None:
         torch.manual_seed(seed)
-    gen_kw = dict(
-        do_sample=temperature > 0,
-        pad_token_id=pad,
-        eos_token_id=sorted(eos),
-        return_dict_in_generate=True,
-        **generate_kwargs,
-    )
-    if temperature > 0:
-        gen_kw.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    if return_logprobs:
-        gen_kw["output_scores"] = True
+    gen_kw = _generate_kwargs(temperature, top_p, top_k, pad, eos, return_logprobs, generate_kwargs)
     out: list[list[Rollout]] = [[] for _ in prompts]
     starts = range(0, len(order), batch_size)
     for start in tqdm(starts, desc=desc, leave=False) if desc else starts:
         idx = order[start : start + batch_size]
-        if all(ids_in[i] is not None for i in idx):
-            width = max(len(ids_in[i]) for i in idx)
-            enc = {
-                "input_ids": torch.tensor([[pad] * (width - len(ids_in[i])) + ids_in[i] for i in idx]),
-                "attention_mask": torch.tensor([[0] * (width - len(ids_in[i])) + [1] * len(ids_in[i]) for i in idx]),
-            }
-        else:
-            enc = tokenizer(
-                [texts[i] if ids_in[i] is None else tokenizer.decode(ids_in[i]) for i in idx],
-                return_tensors="pt",
-                padding=True,
-                add_special_tokens=False,
-            )
-        ids = enc["input_ids"].repeat_interleave(num_samples, dim=0).to(device)
-        mask = enc["attention_mask"].repeat_interleave(num_samples, dim=0).to(device)
-        rolls = [
-            Rollout(
-                prompt_ids=[t for t, m in zip(ids[r].tolist(), mask[r].tolist()) if m],
-                logprobs=[] if return_logprobs else None,
-                episode=episodes[idx[r // num_samples]][r % num_samples] if toolset is not None else None,
-            )
-            for r in range(ids.shape[0])
-        ]
-        limit = [budget_of(idx[r // num_samples]) for r in range(len(rolls))]
-        for r, roll in enumerate(rolls):
-            out[idx[r // num_samples]].append(roll)
-        active = list(range(len(rolls)))  # batch row -> index into rolls
-        cache = None
-        while active:
-            start_len = ids.shape[1]
-            budgets = [limit[a] - rolls[a].num_tokens for a in active]
-
-            # the closures run inside this iteration's generate call: they see this iteration's rolls and idx
-            def row_text(r, new_tokens, _active=active):
-                return tokenizer.decode(
-                    rolls[_active[r]].completion_ids + new_tokens,  # noqa: B023
-                    skip_special_tokens=False,
-                )
-
-            hook = None
-            if row_hook is not None:
-
-                def hook(r, new_tokens, _active=active):
-                    a = _active[r]
-                    return row_hook(idx[a // num_samples], a % num_samples, rolls[a].completion_ids + new_tokens)  # noqa: B023
-
-            stops = _Stops(start_len, eos, budgets, row_text, fmt, trigger_ids, PRUNE_SHARE, hook)
-            res = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                past_key_values=cache,
-                max_new_tokens=max(budgets),
-                stopping_criteria=StoppingCriteriaList([stops]),
-                **gen_kw,
-            )
-            seqs, cache = res.sequences, res.past_key_values
-            new = seqs[:, start_len:]
-            n_new = new.shape[1]
-            if return_logprobs:  # log-softmax of the (processed) scores at each step, at the sampled token
-                steps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in res.scores], dim=1)
-                lp = steps.gather(2, new[:, : steps.shape[1]].unsqueeze(-1)).squeeze(-1).tolist()
-            keep, inserts = [], []
-            new_mask = mask.new_ones(len(active), n_new)
-            for r, a in enumerate(active):
-                roll = rolls[a]
-                last, reason = stops.stop_at.get(r, (n_new - 1, "paused"))
-                if reason == "paused" and roll.num_tokens + n_new >= limit[a]:
-                    reason = "length"
-                toks = new[r, : last + 1].tolist()
-                new_mask[r, last + 1 :] = 0
-                roll.completion_ids += toks
-                roll.env_mask += [1] * len(toks)
-                if return_logprobs:
-                    roll.logprobs += lp[r][: len(toks)]
-                if reason == "hook":
-                    roll.finish_reason = "stop"
-                    continue
-                calls = []
-                if fmt is not None and reason in ("call", "eos"):
-                    body = roll.completion_ids[:-1] if reason == "eos" else roll.completion_ids
-                    calls = fmt.open_calls(tokenizer.decode(body, skip_special_tokens=False), at_eos=(reason == "eos"))
-                if calls:  # chat: every call of the turn, in order, as TRL's loop runs them
-                    if len(roll.calls) + len(calls) > toolset.max_calls:
-                        roll.finish_reason = "tool_limit"
-                        continue
-                    results = []
-                    for call in calls:
-                        result, ok = roll.episode.run(call)
-                        name = call.name or toolset.names[0]
-                        roll.calls.append({"name": name, "arguments": call.arguments, "result": result, "ok": ok})
-                        results.append(result)
-                    ins = _encode(tokenizer, fmt.render_results(results))
-                    ins = ins[: limit[a] - roll.num_tokens]
-                    roll.completion_ids += ins
-                    roll.env_mask += [0] * len(ins)
-                    if return_logprobs:
-                        roll.logprobs += [None] * len(ins)
-                    if roll.num_tokens >= limit[a]:
-                        roll.finish_reason = "length"
-                        continue
-                    keep.append(r)
-                    inserts.append(ins)
-                elif reason == "eos":
-                    roll.finish_reason = "stop"
-                elif reason == "length" or roll.num_tokens >= limit[a]:
-                    roll.finish_reason = "length"
-                else:  # paused or stopped at a call that is not (yet) complete: continue
-                    keep.append(r)
-                    inserts.append([])
+        enc = _encode_batch(tokenizer, [inputs[i] for i in idx], pad)
+        batch = _start_batch(enc, idx, num_samples, device, episodes, budgets, return_logprobs)
+        for (i, _), roll in zip(batch.keys, batch.rolls):
+            out[i].append(roll)
+        while batch.active:
+            stops = _Stops(batch, eos, tokenizer, fmt, trigger_ids, PRUNE_SHARE, row_hook)
+            seqs, new, lp = _generate_segment(model, batch, stops, gen_kw, return_logprobs)
+            keep, inserts, new_mask = _settle_rows(batch, stops, new, lp, tokenizer, toolset)
             if not keep:
                 break
-            width = max(len(x) for x in inserts)
-            if width:
-                # Every row's latest token must sit in the last column (generate continues from there). A row
-                # without a tool result moves its latest token (sampled, not yet in the cache) to the end.
-                for j, r in enumerate(keep):
-                    if not inserts[j]:
-                        inserts[j] = [int(seqs[r, -1])]
-                        new_mask[r, -1] = 0
-                        seqs[r, -1] = pad  # what logits processors see in the gap, as in left padding
-            block = torch.full((len(keep), width), pad, dtype=ids.dtype, device=device)
-            block_mask = torch.zeros((len(keep), width), dtype=mask.dtype, device=device)
-            for j, ins in enumerate(inserts):
-                if ins:  # right-aligned; the gap before it is masked out
-                    block[j, width - len(ins) :] = torch.tensor(ins, dtype=ids.dtype, device=device)
-                    block_mask[j, width - len(ins) :] = 1
-            keep_t = torch.tensor(keep, device=device)
-            mask = torch.cat([mask, new_mask], dim=1)[keep_t]
-            ids = seqs[keep_t]
-            if width:
-                ids = torch.cat([ids, block], dim=1)
-                mask = torch.cat([mask, block_mask], dim=1)
-            if len(keep) < len(active):
-                cache.batch_select_indices(keep_t)
-            active = [active[r] for r in keep]
-        for roll in rolls:
+            _extend(batch, seqs, new_mask, keep, inserts, pad)
+        for roll in batch.rolls:
             roll.text = tokenizer.decode(roll.completion_ids, skip_special_tokens=True)
     return out
 
