@@ -99,6 +99,23 @@ def test_use_all_knob():
     assert episode(use_all=False).check("8*3") == "error: 8 not given"
 
 
+def test_a_repeated_try_is_flagged_and_counted():
+    env = episode()
+    assert [env.check(e) for e in ["3*5+3", "3 * 5 + 3", "(3+5)*3", "(3+5)*3", "7+5*3"]] == [
+        "18 low",
+        "error: tried before",
+        "24 yes",
+        "error: tried before",
+        "error: 7 not given",
+    ]
+    assert (env.turns, env.failed_tries, env.solved) == (5, 3, True)
+    env.reset(numbers=[3, 5, 3], target=24)  # a new episode has tried nothing
+    assert env.check("3*5+3") == "18 low"
+    off = episode(flag_repeats=False)
+    assert [off.check("3*5+3"), off.check("3*5+3")] == ["18 low", "18 low"]
+    assert episode(feedback="none").check("3*5+3") == "ok"
+
+
 def test_feedback_none_answers_ok_to_everything():
     env = episode(feedback="none")
     outs = [env.check(e) for e in ["(3+5)*3", "3*5+3", "7+5*3", "", "9" * 10_000]]
@@ -109,7 +126,13 @@ def test_feedback_none_answers_ok_to_everything():
 
 
 @pytest.mark.parametrize(
-    "knobs, field", [({"feedback": "some"}, "feedback"), ({"use_all": "yes"}, "use_all"), ({"use_all": 1}, "use_all")]
+    "knobs, field",
+    [
+        ({"feedback": "some"}, "feedback"),
+        ({"use_all": "yes"}, "use_all"),
+        ({"use_all": 1}, "use_all"),
+        ({"flag_repeats": "no"}, "flag_repeats"),
+    ],
 )
 def test_bad_env_knobs_name_the_field(knobs, field):
     with pytest.raises(ValueError, match=field):
@@ -371,7 +394,7 @@ def test_impossible_request_says_what_to_change():
 
 def test_defaults_are_the_signature_defaults():
     env = Countdown()
-    assert {"feedback": env.feedback, "use_all": env.use_all} == cd.ENV_DEFAULTS
+    assert {"feedback": env.feedback, "use_all": env.use_all, "flag_repeats": env.flag_repeats} == cd.ENV_DEFAULTS
     assert set(cd.GEN_DEFAULTS) == {
         "num_numbers",
         "number_min",
@@ -417,6 +440,7 @@ def test_reset_reads_the_instance_from_a_served_prompt():
     from_text.reset(prompt=[{"role": "user", "content": row["question"]}])
     assert from_text._numbers == row["numbers"] and from_text._target == row["target"]
     expr = row["answer"].rsplit("####", 1)[1].strip()
-    assert from_text.check(expr) == from_fields.check(expr) and from_text.check(expr).endswith("yes")
+    answer = from_text.check(expr)
+    assert answer == from_fields.check(expr) and answer.endswith("yes")
     with pytest.raises(ValueError, match="numbers"):
         Countdown().reset(prompt=[{"role": "user", "content": "What is 2+2?"}])

@@ -517,3 +517,31 @@ def test_a_served_prompt_resets_an_environment_from_its_user_turn():
     walker = gridworld.GridWorld()
     walker.reset(**served_row(tok, ids(q_gw)))
     assert walker.position == [0, 0]
+
+
+def test_chat_base_tokenizer_takes_the_tool_description_as_one_token(workdir):
+    """In the chat format every prompt starts with Qwen3's tool description (~1 kB): the tiny base model's tokenizer
+    holds that system block as one added token, so a prompt costs tens of tokens, and decoding gives the text back."""
+    from agentrl import base, prepare
+    from agentrl.config import load_params
+    from agentrl.tools import toolset_from_params
+    from conftest import mini_params, write_params
+    from transformers import AutoTokenizer
+
+    p = mini_params()
+    p["agent"]["format"] = "chat"
+    p["model"]["pretrain"]["enabled"] = False
+    write_params(workdir / "params.yaml", p)
+    params = load_params()
+    prepare.prepare(params)
+    base.build_tiny(params)
+    tok = AutoTokenizer.from_pretrained(workdir / "models/base")
+    kw = toolset_from_params(params.agent, env_params=params.environments).chat_template_kwargs()
+    row = json.loads((workdir / "data/prepared/sft_train.jsonl").read_text().splitlines()[-1])
+    text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False, **kw)
+    block = text[len("<|im_start|>system\n") : text.index("<|im_end|>")]
+    assert "calculator" in block and len(block) > 500
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_tokens_to_ids(block) in ids
+    assert len(ids) < len(tok(block.replace("calculator", "calc"), add_special_tokens=False)["input_ids"]) / 2
+    assert tok.decode(ids) == text

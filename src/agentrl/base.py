@@ -140,18 +140,23 @@ def build_tiny(params: Params) -> dict:
     tok_text = questions + completions + [r["prompt"][0]["content"] for r in sft[:1]]
     tokenizer = train_tokenizer(tok_text + facts, params.model.tiny.vocab_size)
     if chat_tools:
+        from tokenizers import AddedToken
         from trl.chat_template_utils import qwen3_chat_template
 
         # Qwen3's template renders tool calls and tool turns, and TRL's GRPOTrainer(environment_factory=...)
         # recognises it. Every chat prompt starts with the template's tool description (JSON schemas and
-        # instructions, ~1 kB): the tokenizer is trained again with it in its text, weighted like the prompts,
-        # so it costs tens of tokens instead of hundreds (which would leave sft.trainer.max_length no room).
+        # instructions, ~1 kB, ~260 tokens of a 1024-token BPE vocabulary): the system block it renders becomes
+        # one added token, so a prompt costs ~50 tokens instead of ~300 (6x less compute per SFT/GRPO example). A
+        # prompt whose block differs (another system prompt or tool set) is tokenized as ordinary text.
         tokenizer.chat_template = qwen3_chat_template
-        header = tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             sft[0]["prompt"], add_generation_prompt=True, tokenize=False, **toolset.chat_template_kwargs()
         )
-        tokenizer = train_tokenizer(tok_text + facts + [header] * len(sft), params.model.tiny.vocab_size)
-        tokenizer.chat_template = qwen3_chat_template
+        opener = "<|im_start|>system\n"
+        if opener in rendered:
+            start = rendered.index(opener) + len(opener)
+            block = rendered[start : rendered.index(tokenizer.eos_token, start)]
+            tokenizer.add_tokens([AddedToken(block, special=False, normalized=False)])
     model = build_tiny_model(tokenizer, params.model.tiny, params.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("tiny Qwen3: %d parameters, vocab %d", n_params, len(tokenizer))

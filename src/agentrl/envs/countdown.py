@@ -3,7 +3,8 @@
 The environment has TRL 1.16's `environment_factory` shape: `Countdown(**knobs)` makes one instance,
 `reset(**row)` starts an episode from a dataset row (`numbers`, `target`; other keys ignored) and the one
 tool, `check(expression)`, answers in a few tokens: `24 yes` (on target), `29 high`, `21 low`, or a short
-`error: ...` (`7 not given`, `3 used twice`, `5 unused`, `division by zero`, `not an expression`, ...).
+`error: ...` (`7 not given`, `3 used twice`, `5 unused`, `division by zero`, `not an expression`, ...; with
+`flag_repeats`, `tried before` for an expression already tried in the episode, spaces aside).
 With `feedback="none"` (the ablation) it answers `ok` to every string. The reward is not the env's: an
 episode is solved when the completion's last `#### <expression>` line is a legal expression equal to the
 target (`correct`), checked with exact arithmetic (`fractions.Fraction`).
@@ -34,6 +35,7 @@ GEN_DEFAULTS: dict = {
 ENV_DEFAULTS: dict = {
     "feedback": "full",  # "full": value and yes/high/low or the error; "none": the tool answers "ok" to everything
     "use_all": True,  # True: each number exactly once (TinyZero); False: each at most once
+    "flag_repeats": True,  # full feedback: an expression tried before in the episode answers "error: tried before"
 }
 FEEDBACK = ("full", "none")
 SPLITS = ("train", "test")
@@ -208,21 +210,30 @@ class Countdown:
     `solved` (some call hit the target).
     """
 
-    def __init__(self, feedback: str = ENV_DEFAULTS["feedback"], use_all: bool = ENV_DEFAULTS["use_all"]):
+    def __init__(
+        self,
+        feedback: str = ENV_DEFAULTS["feedback"],
+        use_all: bool = ENV_DEFAULTS["use_all"],
+        flag_repeats: bool = ENV_DEFAULTS["flag_repeats"],
+    ):
         if feedback not in FEEDBACK:
             raise ValueError(f"countdown: feedback must be one of {', '.join(FEEDBACK)}, got {feedback!r}")
-        if not isinstance(use_all, bool):
-            raise ValueError(f"countdown: use_all must be true or false, got {use_all!r}")
+        for name, value in (("use_all", use_all), ("flag_repeats", flag_repeats)):
+            if not isinstance(value, bool):
+                raise ValueError(f"countdown: {name} must be true or false, got {value!r}")
         self.feedback = feedback
         self.use_all = use_all
+        self.flag_repeats = flag_repeats
         self._numbers: Optional[list[int]] = None
         self._target: Optional[int] = None
+        self._tried: set[str] = set()
         self.turns = 0
         self.failed_tries = 0
         self.solved = False
 
     def reset(self, **row) -> Optional[str]:
         self._numbers, self._target = _instance(row)
+        self._tried = set()
         self.turns = 0
         self.failed_tries = 0
         self.solved = False
@@ -244,6 +255,9 @@ class Countdown:
         if not isinstance(expression, str):
             self.failed_tries += 1
             return "error: expression must be a string"
+        key = expression.replace(" ", "")[: MAX_CHARS + 1]
+        repeat = key in self._tried
+        self._tried.add(key)
         try:
             value = evaluate(expression, self._numbers, self.use_all)
         except IllegalExpression as e:
@@ -256,7 +270,9 @@ class Countdown:
             else:
                 self.failed_tries += 1
                 result = f"{format_value(value)} {'high' if value > self._target else 'low'}"
-        return "ok" if self.feedback == "none" else result
+        if self.feedback == "none":
+            return "ok"
+        return "error: tried before" if repeat and self.flag_repeats else result
 
 
 def correct(row: dict, text: str, env: Optional[Countdown]) -> bool:
