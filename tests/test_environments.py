@@ -522,11 +522,12 @@ def test_a_served_prompt_resets_an_environment_from_its_user_turn():
 def test_chat_base_tokenizer_takes_the_tool_description_as_one_token(workdir):
     """In the chat format every prompt starts with Qwen3's tool description (~1 kB): the tiny base model's tokenizer
     holds that system block as one added token, so a prompt costs tens of tokens, and decoding gives the text back."""
+    from transformers import AutoTokenizer
+
     from agentrl import base, prepare
     from agentrl.config import load_params
     from agentrl.tools import toolset_from_params
     from conftest import mini_params, write_params
-    from transformers import AutoTokenizer
 
     p = mini_params()
     p["agent"]["format"] = "chat"
