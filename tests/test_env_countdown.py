@@ -339,6 +339,19 @@ def test_hard_share_and_max_failed_tries():
     assert set(tries(make_rows(100, random.Random(1), "test", hard_share=1.0))) == {0}
 
 
+def test_direct_share_demos_answer_without_a_try():
+    rows = make_rows(400, random.Random(5), "train", direct_share=0.5)
+    direct = [r for r in rows if "<<" not in r["answer"]]
+    assert 150 < len(direct) < 250
+    for r in direct:
+        assert r["answer"].startswith("#### ") and r["demo_failed_tries"] == 0
+        assert correct(r, r["answer"], None)
+    assert all("\n#### " in r["answer"] for r in rows if r not in direct)
+    # test rows always show the one try; direct_share 0 leaves the rows exactly as without the knob
+    assert all("<<" in r["answer"] for r in make_rows(50, random.Random(5), "test", direct_share=1.0))
+    assert make_rows(50, random.Random(5), "train", direct_share=0.0) == make_rows(50, random.Random(5), "train")
+
+
 def test_number_range_and_target_max_knobs():
     rows = make_rows(50, random.Random(2), "train", number_min=5, number_max=9, target_max=30, num_numbers=4)
     assert all(5 <= x <= 9 for r in rows for x in r["numbers"])
@@ -373,6 +386,7 @@ def test_determinism_and_exclude():
         ({"number_min": 0}, "number_min"),
         ({"number_min": 9, "number_max": 3}, "number_max"),
         ({"hard_share": 1.5}, "hard_share"),
+        ({"direct_share": -0.1}, "direct_share"),
         ({"max_failed_tries": 4}, "max_failed_tries"),
         ({"max_failed_tries": True}, "max_failed_tries"),
         ({"target_max": 0}, "target_max"),
@@ -401,6 +415,7 @@ def test_defaults_are_the_signature_defaults():
         "number_max",
         "target_max",
         "hard_share",
+        "direct_share",
         "max_failed_tries",
     }
 

@@ -31,6 +31,7 @@ GEN_DEFAULTS: dict = {
     "target_max": 100,  # targets are integers in 1..target_max
     "hard_share": 0.5,  # share of training demos whose first try(s) fail
     "max_failed_tries": 2,  # a hard demo has 1..max_failed_tries failed tries before the solution (1-3)
+    "direct_share": 0.0,  # share of training demos that write the solution without trying it with the tool
 }
 ENV_DEFAULTS: dict = {
     "feedback": "full",  # "full": value and yes/high/low or the error; "none": the tool answers "ok" to everything
@@ -373,9 +374,10 @@ def _gen_knobs(knobs: dict) -> dict:
             raise ValueError(f"countdown: {name} must be an integer in {lo}..{hi}, got {k[name]!r}")
     if k["number_max"] < k["number_min"]:
         raise ValueError(f"countdown: number_max ({k['number_max']}) must be >= number_min ({k['number_min']})")
-    share = k["hard_share"]
-    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1:
-        raise ValueError(f"countdown: hard_share must be a number in [0, 1], got {share!r}")
+    for name in ("hard_share", "direct_share"):
+        share = k[name]
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1:
+            raise ValueError(f"countdown: {name} must be a number in [0, 1], got {share!r}")
     return k
 
 
@@ -411,8 +413,9 @@ def make_rows(
     **gen_knobs,
 ) -> list[dict]:
     """`n` solvable instances with demonstrations. `split`: "train" (hard_share of demos start with 1..
-    max_failed_tries near-miss tries) or "test" (the reference solution, one try). `env_knobs`: the Countdown
-    knobs the demos are run with (their RESULTs are what that env answers; default ENV_DEFAULTS). `exclude`:
+    max_failed_tries near-miss tries; direct_share of them write the solution without any try, as the default
+    task's demos do part of the arithmetic in text) or "test" (the reference solution, one try). `env_knobs`: the
+    Countdown knobs the demos are run with (their RESULTs are what that env answers; default ENV_DEFAULTS). `exclude`:
     instance_key()s not to generate (e.g. the other split's). Only `rng` is drawn from: same seed, same rows."""
     if split not in SPLITS:
         raise ValueError(f"countdown: split must be one of {', '.join(SPLITS)}, got {split!r}")
@@ -442,15 +445,18 @@ def make_rows(
         seen.add(key)
         failed = rng.randint(1, k["max_failed_tries"]) if split == "train" and rng.random() < k["hard_share"] else 0
         tries = (_near_misses(numbers, target, failed, rng) if failed else []) + [solution]
+        # drawn only when the knob is on, so that direct_share 0 leaves every other draw (and row) as it was
+        if split == "train" and k["direct_share"] > 0 and rng.random() < k["direct_share"]:
+            tries = []
         env.reset(**row)
-        answer = " ".join(f"<<{e}={env.check(e)}>>" for e in tries) + f"\n#### {solution}"
+        answer = " ".join(f"<<{e}={env.check(e)}>>" for e in tries) + ("\n" if tries else "") + f"#### {solution}"
         rows.append(
             {
                 "question": question(numbers, target, env.use_all),
                 "answer": answer,
                 "ground_truth": str(target),
                 **row,
-                "demo_failed_tries": len(tries) - 1,
+                "demo_failed_tries": max(len(tries) - 1, 0),
             }
         )
     return rows
