@@ -540,9 +540,15 @@ def test_chat_base_tokenizer_takes_the_tool_description_as_one_token(workdir):
     kw = toolset_from_params(params.agent, env_params=params.environments).chat_template_kwargs()
     row = json.loads((workdir / "data/prepared/sft_train.jsonl").read_text().splitlines()[-1])
     text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False, **kw)
-    block = text[len("<|im_start|>system\n") : text.index("<|im_end|>")]
+    block = text[text.index("# Tools") : text.index("<|im_end|>")]
     assert "calculator" in block and len(block) > 500
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.convert_tokens_to_ids(block) in ids
     assert len(ids) < len(tok(block.replace("calculator", "calc"), add_special_tokens=False)["input_ids"]) / 2
     assert tok.decode(ids) == text
+    # a system prompt before it, and the server's tokenization (each message content apart): the same one token
+    from agentrl.serving.engine import chat_prompt_ids
+
+    with_system = [{"role": "system", "content": "Be brief."}, *row["prompt"]]
+    for msgs in (row["prompt"], with_system):
+        assert tok.convert_tokens_to_ids(block) in chat_prompt_ids(tok, msgs, kw)

@@ -144,19 +144,22 @@ def build_tiny(params: Params) -> dict:
         from trl.chat_template_utils import qwen3_chat_template
 
         # Qwen3's template renders tool calls and tool turns, and TRL's GRPOTrainer(environment_factory=...)
-        # recognises it. Every chat prompt starts with the template's tool description (JSON schemas and
-        # instructions, ~1 kB, ~260 tokens of a 1024-token BPE vocabulary): the system block it renders becomes
-        # one added token, so a prompt costs ~50 tokens instead of ~300 (6x less compute per SFT/GRPO example). A
-        # prompt whose block differs (another system prompt or tool set) is tokenized as ordinary text.
+        # recognises it. Every chat prompt's system turn carries the template's tool description (JSON schemas and
+        # instructions, ~1 kB, ~260 tokens of the tiny BPE vocabulary): that block, from "# Tools" to the end of the
+        # turn (the same with or without a system prompt before it), becomes one added token, so a prompt is ~50
+        # tokens instead of ~300 (~6x less compute per SFT/GRPO example). The model then reads the description as
+        # one learned symbol: a prompt with another description (other tools, changed docstrings) is tokenized as
+        # ordinary text it was never trained on.
         tokenizer.chat_template = qwen3_chat_template
         rendered = tokenizer.apply_chat_template(
             sft[0]["prompt"], add_generation_prompt=True, tokenize=False, **toolset.chat_template_kwargs()
         )
-        opener = "<|im_start|>system\n"
-        if opener in rendered:
-            start = rendered.index(opener) + len(opener)
-            block = rendered[start : rendered.index(tokenizer.eos_token, start)]
-            tokenizer.add_tokens([AddedToken(block, special=False, normalized=False)])
+        start = rendered.find("# Tools")
+        if start < 0:
+            raise ValueError(f"the chat template rendered no '# Tools' block for agent.tools/environment: {rendered!r}")
+        tokenizer.add_tokens(
+            [AddedToken(rendered[start : rendered.index(tokenizer.eos_token, start)], special=False, normalized=False)]
+        )
     model = build_tiny_model(tokenizer, params.model.tiny, params.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("tiny Qwen3: %d parameters, vocab %d", n_params, len(tokenizer))

@@ -4,7 +4,7 @@ The environment has TRL 1.16's `environment_factory` shape: `Countdown(**knobs)`
 `reset(**row)` starts an episode from a dataset row (`numbers`, `target`; other keys ignored) and the one
 tool, `check(expression)`, answers in a few tokens: `24 yes` (on target), `29 high`, `21 low`, or a short
 `error: ...` (`7 not given`, `3 used twice`, `5 unused`, `division by zero`, `not an expression`, ...; with
-`flag_repeats`, `tried before` for an expression already tried in the episode, spaces aside).
+`flag_repeats`, `tried before` for a legal off-target expression already tried in the episode, spaces aside).
 With `feedback="none"` (the ablation) it answers `ok` to every string. The reward is not the env's: an
 episode is solved when the completion's last `#### <expression>` line is a legal expression equal to the
 target (`correct`), checked with exact arithmetic (`fractions.Fraction`).
@@ -29,14 +29,14 @@ GEN_DEFAULTS: dict = {
     "number_min": 1,  # the numbers are drawn from number_min..number_max
     "number_max": 20,
     "target_max": 100,  # targets are integers in 1..target_max
-    "hard_share": 0.5,  # share of training demos whose first try(s) fail
+    "hard_share": 0.5,  # share of training demos drawn with failed first try(s) (before direct_share removes tries)
     "max_failed_tries": 2,  # a hard demo has 1..max_failed_tries failed tries before the solution (1-3)
     "direct_share": 0.0,  # share of training demos that write the solution without trying it with the tool
 }
 ENV_DEFAULTS: dict = {
     "feedback": "full",  # "full": value and yes/high/low or the error; "none": the tool answers "ok" to everything
     "use_all": True,  # True: each number exactly once (TinyZero); False: each at most once
-    "flag_repeats": True,  # full feedback: an expression tried before in the episode answers "error: tried before"
+    "flag_repeats": True,  # full feedback: a legal off-target expression tried before answers "error: tried before"
 }
 FEEDBACK = ("full", "none")
 SPLITS = ("train", "test")
@@ -256,21 +256,22 @@ class Countdown:
         if not isinstance(expression, str):
             self.failed_tries += 1
             return "error: expression must be a string"
-        key = expression.replace(" ", "")[: MAX_CHARS + 1]
-        repeat = key in self._tried
-        self._tried.add(key)
         try:
             value = evaluate(expression, self._numbers, self.use_all)
         except IllegalExpression as e:
             self.failed_tries += 1
-            result = f"error: {e}"
+            result, key = f"error: {e}", None
         else:
+            key = tuple(_tokenize(expression))  # parsed, so short: the same tokens are the same try, spaces aside
             if value == self._target:
                 self.solved = True
-                result = f"{format_value(value)} yes"
+                result, key = f"{format_value(value)} yes", None  # on target is always said so
             else:
                 self.failed_tries += 1
                 result = f"{format_value(value)} {'high' if value > self._target else 'low'}"
+        repeat = key is not None and key in self._tried
+        if key is not None:
+            self._tried.add(key)
         if self.feedback == "none":
             return "ok"
         return "error: tried before" if repeat and self.flag_repeats else result
