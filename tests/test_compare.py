@@ -98,3 +98,35 @@ def test_metrics_split_keeps_every_value_once_and_dvc_yaml_declares_both_files(t
     stems = {f.split("/")[-1][: -len(".json")] for f in declared}
     assert stems == set(HEADLINE) | {f"eval_{s}" for s in ("base", "sft", "grpo", "merged", "merged_int8")}
     assert all(declared.values()), declared
+
+
+def test_paired_test_script_compares_two_prediction_files(tmp_path):
+    """scripts/paired_test.py (an ablation against the full run): the compare stage's test over the common ids, and
+    a bad row named by file and line."""
+    import gzip
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from agentrl.compare import paired_test
+
+    script = Path(__file__).resolve().parents[1] / "scripts/paired_test.py"
+    a = {f"p{i}": i % 3 == 0 for i in range(60)}
+    b = {f"p{i}": i % 2 == 0 for i in range(60)}
+    pa, pb = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"
+    pa.write_text("".join(json.dumps({"id": k, "correct": v}) + "\n" for k, v in a.items()))
+    with gzip.open(pb, "wt") as f:
+        f.writelines(json.dumps({"id": k, "correct": v, "extracted": None}) + "\n" for k, v in b.items())
+    r = subprocess.run(
+        [sys.executable, str(script), str(pa), str(pb), "--out", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert {k: got[k] for k in paired_test(a, b, 42)} == paired_test(a, b, 42)
+    assert (got["accuracy_before"], got["accuracy_after"]) == (20 / 60, 30 / 60)
+    pa.write_text('{"id": "p1", "correct": true}\n{"id": "p2"}\n')
+    r = subprocess.run([sys.executable, str(script), str(pa), str(pb)], capture_output=True, text=True)
+    assert r.returncode != 0 and "a.jsonl:2" in r.stderr and "'correct'" in r.stderr

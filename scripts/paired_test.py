@@ -1,0 +1,63 @@
+"""Paired test between two prediction files on the same held-out problems (e.g. an ablation against the full run).
+
+    python scripts/paired_test.py BEFORE.jsonl[.gz] AFTER.jsonl[.gz] [--seed 42] [--out result.json]
+
+Each file is an evaluation's predictions (`eval/<stage>/predictions.jsonl`, one row per problem with `id` and
+`correct`). The test is the compare stage's own (`agentrl.compare.paired_test`: exact McNemar on the problems only
+one of the two solved, paired bootstrap 95% CI of the difference AFTER - BEFORE), over the ids both files have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+from agentrl.compare import paired_test
+
+
+def correctness(path: Path) -> dict[str, bool]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = {}
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                out[str(row["id"])] = bool(row["correct"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{path}:{n}: expected a JSON object with 'id' and 'correct' ({e})") from None
+    if not out:
+        raise SystemExit(f"{path}: no predictions")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("before", type=Path)
+    ap.add_argument("after", type=Path)
+    ap.add_argument("--seed", type=int, default=42, help="bootstrap seed")
+    ap.add_argument("--out", type=Path, help="also write the result here (JSON)")
+    a = ap.parse_args()
+    before, after = correctness(a.before), correctness(a.after)
+    try:
+        result = paired_test(before, after, a.seed)
+    except ValueError as e:
+        raise SystemExit(f"{a.before} vs {a.after}: {e}") from None
+    result = {
+        "before": str(a.before),
+        "after": str(a.after),
+        "accuracy_before": sum(before.values()) / len(before),
+        "accuracy_after": sum(after.values()) / len(after),
+        **result,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
