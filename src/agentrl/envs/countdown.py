@@ -227,7 +227,7 @@ class Countdown:
         self.flag_repeats = flag_repeats
         self._numbers: Optional[list[int]] = None
         self._target: Optional[int] = None
-        self._tried: set[str] = set()
+        self._tried: set[tuple[str, ...]] = set()  # the token tuples of legal off-target tries
         self.turns = 0
         self.failed_tries = 0
         self.solved = False
