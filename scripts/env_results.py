@@ -3,8 +3,10 @@
     python scripts/env_results.py env-countdown docs/envs/countdown
 
 Reads the experiment's git ref (`dvc exp run --name env-countdown` writes refs/exps/.../env-countdown) and writes
-every metrics/*.json of that commit to the target folder, plus a README naming the experiment, its commit, the
-params it ran with (`dvc exp show`-style, the keys that differ from the baseline) and the command that made it.
+the metrics files that commit's dvc.yaml declares (the pipeline's own, not the benchmarks' metrics/bench*.json that
+ride along in git) to the target folder, plus `experiment.md` naming the experiment, its commit, the params it ran
+with (the keys that differ from the baseline) and the command that made it. The folder's README.md, the hand-written
+account of the results, is left alone.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 
 def git(*args: str) -> str:
@@ -29,6 +33,21 @@ def exp_ref(name: str) -> str:
     return refs[0]
 
 
+def declared_metrics(commit: str) -> list[str]:
+    """The metrics/*.json paths that the commit's dvc.yaml declares as stage metrics, in stage order."""
+    try:
+        stages = (yaml.safe_load(git("show", f"{commit}:dvc.yaml")) or {}).get("stages") or {}
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"experiment commit {commit[:10]} has no dvc.yaml: cannot tell its pipeline's metrics")
+    paths = []
+    for stage in stages.values():
+        for entry in stage.get("metrics", []):
+            for path in entry if isinstance(entry, dict) else [entry]:
+                if path.startswith("metrics/") and path.endswith(".json"):
+                    paths.append(path)
+    return paths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment")
@@ -37,13 +56,16 @@ def main() -> None:
     ref = exp_ref(a.experiment)
     commit = git("rev-parse", ref).strip()
     base = git("rev-parse", f"{commit}^").strip()
-    files = [f for f in git("ls-tree", "--name-only", f"{commit}:metrics").split() if f.endswith(".json")]
+    files = declared_metrics(commit)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     for f in files:
-        data = json.loads(git("show", f"{commit}:metrics/{f}"))
-        (a.out_dir / f).write_text(json.dumps(data, indent=2) + "\n")
+        try:
+            data = json.loads(git("show", f"{commit}:{f}"))
+        except subprocess.CalledProcessError:
+            raise SystemExit(f"{f}: declared in dvc.yaml but not in experiment commit {commit[:10]} (did its stage run?)")
+        (a.out_dir / Path(f).name).write_text(json.dumps(data, indent=2) + "\n")
     params = git("diff", "--unified=0", base, commit, "--", "params.yaml")
-    (a.out_dir / "README.md").write_text(
+    (a.out_dir / "experiment.md").write_text(
         f"# {a.experiment}\n\nMetrics of the experiment `{a.experiment}` (commit {commit[:10]} on {base[:10]}), "
         f"copied by `python scripts/env_results.py {a.experiment} {a.out_dir}` after "
         f"`make env ENV={a.experiment.removeprefix('env-')}`.\n\nThe params it changed:\n\n```diff\n{params}```\n"

@@ -14,13 +14,19 @@ def git(cwd, *args):
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def test_copies_the_experiments_metrics_and_names_a_missing_one(tmp_path):
+def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
     git(tmp_path, "init", "-q")
     git(tmp_path, "config", "user.email", "t@example.com")
     git(tmp_path, "config", "user.name", "t")
     (tmp_path / "metrics").mkdir()
     (tmp_path / "params.yaml").write_text("seed: 1\n")
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  a:\n    cmd: x\n    metrics: [metrics/eval_sft.json: {cache: false}]\n"
+        "  b:\n    cmd: y\n    metrics: [metrics/compare.json]\n"
+    )
     (tmp_path / "metrics/eval_sft.json").write_text('{"accuracy": 0.1}')
+    (tmp_path / "metrics/compare.json").write_text('{"p_value": "1.00e+00"}')
+    (tmp_path / "metrics/bench_tools.json").write_text('{"ratio": 1.2}')  # in git, not a pipeline metric
     git(tmp_path, "add", ".")
     git(tmp_path, "commit", "-qm", "baseline")
     (tmp_path / "params.yaml").write_text("seed: 2\n")
@@ -28,9 +34,19 @@ def test_copies_the_experiments_metrics_and_names_a_missing_one(tmp_path):
     git(tmp_path, "commit", "-qam", "experiment")
     git(tmp_path, "update-ref", "refs/exps/ab/cdef/env-x", "HEAD")
     git(tmp_path, "reset", "-q", "--hard", "HEAD~1")  # the workspace holds the baseline, as after dvc exp --temp
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/README.md").write_text("the hand-written account\n")
     run = subprocess.run([sys.executable, SCRIPT, "env-x", "out"], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert json.loads((tmp_path / "out/eval_sft.json").read_text()) == {"accuracy": 0.5}
-    assert "+seed: 2" in (tmp_path / "out/README.md").read_text()
+    assert json.loads((tmp_path / "out/compare.json").read_text()) == {"p_value": "1.00e+00"}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "README.md",
+        "compare.json",
+        "eval_sft.json",
+        "experiment.md",
+    ]  # not bench_tools.json: dvc.yaml does not declare it
+    assert "+seed: 2" in (tmp_path / "out/experiment.md").read_text()
+    assert (tmp_path / "out/README.md").read_text() == "the hand-written account\n"
     missing = subprocess.run([sys.executable, SCRIPT, "env-y", "out"], cwd=tmp_path, capture_output=True, text=True)
     assert missing.returncode != 0 and "no experiment named 'env-y'" in missing.stderr

@@ -552,3 +552,16 @@ def test_chat_base_tokenizer_takes_the_tool_description_as_one_token(workdir):
     with_system = [{"role": "system", "content": "Be brief."}, *row["prompt"]]
     for msgs in (row["prompt"], with_system):
         assert tok.convert_tokens_to_ids(block) in chat_prompt_ids(tok, msgs, kw)
+
+
+def test_grpo_summary_falls_back_to_trls_tool_metric_in_trls_loop():
+    """grpo_train.json's tool_calls_per_completion_last: our loop's tools/tool_calls_per_problem, else (agent.format
+    chat, TRL's environment_factory loop) TRL's tools/call_frequency; it was null for chat runs."""
+    from agentrl.grpo import _series
+
+    keys = ("tools/tool_calls_per_problem", "tools/call_frequency")
+    trl = [{"tools/call_frequency": 1.5}, {"loss": 0.1}, {"tools/call_frequency": 2.0}]
+    assert _series(trl, *keys) == [1.5, 2.0]
+    ours = [{"tools/tool_calls_per_problem": 3.0, "tools/call_frequency": 9.0}]
+    assert _series(ours, *keys) == [3.0]
+    assert _series([{"loss": 1.0}], *keys) == []

@@ -243,8 +243,12 @@ def baked_tool_template(tok):
     return finish
 
 
-def _series(history: list[dict], key: str) -> list[float]:
-    return [h[key] for h in history if key in h]
+def _series(history: list[dict], *keys: str) -> list[float]:
+    """The logged values of the first of `keys` that the history has (our loop's name, then TRL's)."""
+    for key in keys:
+        if values := [h[key] for h in history if key in h]:
+            return values
+    return []
 
 
 def train(params: Params) -> dict:
@@ -329,7 +333,10 @@ def train(params: Params) -> dict:
         else None,
         "tool_use_rate_first": (_series(hist, "tools/tool_use_rate") or [None])[0],
         "tool_use_rate_last": (_series(hist, "tools/tool_use_rate") or [None])[-1],
-        "tool_calls_per_completion_last": (_series(hist, "tools/tool_calls_per_problem") or [None])[-1],
+        # TRL's own loop (agent.format chat) logs tools/call_frequency (calls per completion) and no tool-use rate
+        "tool_calls_per_completion_last": (
+            _series(hist, "tools/tool_calls_per_problem", "tools/call_frequency") or [None]
+        )[-1],
         "tool_error_rate_last": (_series(hist, "tools/tool_error_rate") or [None])[-1],
         "beta": args.beta,
         **run,
