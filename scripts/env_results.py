@@ -38,7 +38,7 @@ def declared_metrics(commit: str) -> list[str]:
     try:
         stages = (yaml.safe_load(git("show", f"{commit}:dvc.yaml")) or {}).get("stages") or {}
     except subprocess.CalledProcessError:
-        raise SystemExit(f"experiment commit {commit[:10]} has no dvc.yaml: cannot tell its pipeline's metrics")
+        raise SystemExit(f"experiment commit {commit[:10]} has no dvc.yaml: cannot tell its pipeline's metrics") from None
     paths = []
     for stage in stages.values():
         for entry in stage.get("metrics", []):
@@ -62,7 +62,9 @@ def main() -> None:
         try:
             data = json.loads(git("show", f"{commit}:{f}"))
         except subprocess.CalledProcessError:
-            raise SystemExit(f"{f}: declared in dvc.yaml but not in experiment commit {commit[:10]} (did its stage run?)")
+            raise SystemExit(
+                f"{f}: declared in dvc.yaml but not in experiment commit {commit[:10]} (did its stage run?)"
+            ) from None
         (a.out_dir / Path(f).name).write_text(json.dumps(data, indent=2) + "\n")
     params = git("diff", "--unified=0", base, commit, "--", "params.yaml")
     (a.out_dir / "experiment.md").write_text(
