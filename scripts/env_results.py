@@ -38,7 +38,7 @@ def declared_metrics(commit: str) -> list[str]:
     try:
         stages = (yaml.safe_load(git("show", f"{commit}:dvc.yaml")) or {}).get("stages") or {}
     except subprocess.CalledProcessError:
-        raise SystemExit(f"experiment commit {commit[:10]} has no dvc.yaml: cannot tell its pipeline's metrics") from None
+        raise SystemExit(f"experiment commit {commit[:10]} has no dvc.yaml: cannot tell its metrics") from None
     paths = []
     for stage in stages.values():
         for entry in stage.get("metrics", []):
