@@ -608,7 +608,7 @@ def tools_only(params, repeats: int, n: int) -> None:
         "calculator calls, each result appended to the KV cache |",
         f"| plain `generate`, tokens/s | {mm(t['plain_tokens_per_second'], '{:.0f}')} | one `model.generate` call "
         "per batch on the same prompts, no tool |",
-        f"| **tool_loop_vs_plain_generate_ratio** | {mm(t['ratio'], '{:.2f}')} (goal ≥ 0.7) | loop tokens/s ÷ "
+        f"| **tool_loop_vs_plain_generate_ratio** | {mm(t['ratio'], '{:.2f}')} (goal ≥ 1.3) | loop tokens/s ÷ "
         "plain tokens/s |",
         f"| GRPO optimizer step with tools | {mm(g['seconds_per_step'])} s | GRPOTrainer + the tool loop as "
         "rollout_func, params.yaml's config, steps 3–12 |",
@@ -895,7 +895,7 @@ def main() -> None:
         f"greedy, {res['tool_loop']['tool_calls']} tool calls |",
         f"| plain `generate`, tokens/s | {mm(res['tool_loop']['plain_tokens_per_second'], '{:.0f}')} | "
         "one `model.generate` call per batch on the same prompts, no tool |",
-        f"| **tool_loop_vs_plain_generate_ratio** | {mm(res['tool_loop']['ratio'], '{:.2f}')} (goal ≥ 0.7) | "
+        f"| **tool_loop_vs_plain_generate_ratio** | {mm(res['tool_loop']['ratio'], '{:.2f}')} (goal ≥ 1.3) | "
         "a call appends its result to the KV cache; nothing is re-encoded |",
     ]
     if not a.skip_dvc:
