@@ -3,7 +3,7 @@
     python scripts/env_results.py env-countdown docs/envs/countdown
 
 Reads the experiment's git ref (`dvc exp run --name env-countdown` writes refs/exps/.../env-countdown) and writes
-the metrics files that commit's dvc.yaml declares (the pipeline's own, not the benchmarks' metrics/bench*.json that
+the metrics files that dvc.yaml declares (the pipeline's own, not the benchmarks' metrics/bench*.json that
 ride along in git) to the target folder, plus `experiment.md` naming the experiment, its commit, the params it ran
 with (the keys that differ from the baseline) and the command that made it. The folder's README.md, the hand-written
 account of the results, is left alone.
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
+from agentrl.agent_api import stages
 
 
 def git(*args: str) -> str:
@@ -33,19 +33,12 @@ def exp_ref(name: str) -> str:
     return refs[0]
 
 
-def declared_metrics(commit: str) -> list[str]:
-    """The metrics/*.json paths that the commit's dvc.yaml declares as stage metrics, in stage order."""
-    try:
-        stages = (yaml.safe_load(git("show", f"{commit}:dvc.yaml")) or {}).get("stages") or {}
-    except subprocess.CalledProcessError:
-        raise SystemExit(f"experiment commit {commit[:10]} has no dvc.yaml: cannot tell its metrics") from None
-    paths = []
-    for stage in stages.values():
-        for entry in stage.get("metrics", []):
-            for path in entry if isinstance(entry, dict) else [entry]:
-                if path.startswith("metrics/") and path.endswith(".json"):
-                    paths.append(path)
-    return paths
+def declared_metrics() -> list[str]:
+    """The metrics/*.json files that dvc.yaml declares as stage metrics, in stage order (agent_api.stages reads them:
+    the workspace's dvc.yaml, the pipeline an experiment of this repository runs)."""
+    if not Path("dvc.yaml").exists():
+        raise SystemExit("no dvc.yaml here: run from the repository root (the experiment's pipeline names its metrics)")
+    return [m for s in stages(Path(".")) for m in s["metrics"] if m.startswith("metrics/") and m.endswith(".json")]
 
 
 def main() -> None:
@@ -56,7 +49,7 @@ def main() -> None:
     ref = exp_ref(a.experiment)
     commit = git("rev-parse", ref).strip()
     base = git("rev-parse", f"{commit}^").strip()
-    files = declared_metrics(commit)
+    files = declared_metrics()
     a.out_dir.mkdir(parents=True, exist_ok=True)
     for f in files:
         try:
