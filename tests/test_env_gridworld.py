@@ -152,6 +152,46 @@ def test_slip_prob_knob():
     assert 60 < some.slips < 140  # about half of 200 moves
 
 
+def test_local_view_lists_the_cells_around_up_down_left_right():
+    env = episode(slip_prob=0.0, view="local")  # GRID: S.O. / ..O. / .... / O..G
+    assert env.move("up") == "0 0 wall : # . # ."
+    assert env.move("right") == "0 1 : # . S O"
+    assert env.move("down") == "1 1 : . . . O"
+    assert env.move("right") == "1 2 hole : O . . ."
+    assert env.move("left") == "error: episode over"  # errors carry no view
+    env = episode(slip_prob=0.0, view="local")
+    outs = [env.move(m) for m in solve(GRID, [0, 0], [3, 3])]
+    assert outs[-1].startswith("3 3 goal : . # . #")
+    # the view adds to the answer and changes nothing else: same moves, same slips, same positions
+    for seed in range(20):
+        plain, local = episode({**ROW, "seed": seed}), episode({**ROW, "seed": seed}, view="local")
+        for m in ["down", "right", "down", "right", "down", "right"]:
+            a, b = plain.move(m), local.move(m)
+            assert b.startswith(a) and (b == a or b[len(a) :].startswith(" : ")), (a, b)
+        assert (plain.position, plain.slips, plain.failed_tries) == (local.position, local.slips, local.failed_tries)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_local_view_demos_replay_and_fit_the_annotation(seed):
+    knobs = {"view": "local"}
+    rows = make_rows(20, random.Random(seed), "train", env_knobs=knobs)
+    plain = make_rows(20, random.Random(seed), "train")
+    for row, prow in zip(rows, plain):
+        assert (row["grid"], row["seed"]) == (prow["grid"], prow["seed"])  # the view draws nothing from the rng
+        env = GridWorld(**knobs)
+        env.reset(**row)
+        for arg, result in CALL.findall(row["answer"]):
+            assert env.move(arg) == result
+            assert "<" not in result and ">" not in result and "=" not in result
+            r, c = env.position
+            cells = result.split(" : ")[1].split()
+            for name, cell in zip(gw.VIEW_ORDER, cells):
+                rr, cc = r + STEP[name][0], c + STEP[name][1]
+                inside = 0 <= rr < len(row["grid"]) and 0 <= cc < len(row["grid"][0])
+                assert cell == (row["grid"][rr][cc] if inside else "#")
+        assert env.reached
+
+
 def test_slips_go_to_both_perpendicular_sides():
     row = {**ROW, "grid": ["...", ".S.", "..G"], "start": [1, 1], "goal": [2, 2]}
     seen = set()
@@ -168,6 +208,8 @@ def test_slips_go_to_both_perpendicular_sides():
         ({"slip_prob": "0.2"}, "slip_prob"),
         ({"max_moves": 0}, "max_moves"),
         ({"max_moves": 2.5}, "max_moves"),
+        ({"view": "global"}, "view"),
+        ({"view": None}, "view"),
     ],
 )
 def test_bad_env_knobs_name_the_field(knobs, field):
@@ -360,7 +402,7 @@ def test_impossible_request_says_what_to_change():
 
 def test_defaults_are_the_signature_defaults():
     env = GridWorld()
-    assert {"slip_prob": env.slip_prob, "max_moves": env.max_moves} == gw.ENV_DEFAULTS
+    assert {"slip_prob": env.slip_prob, "max_moves": env.max_moves, "view": env.view} == gw.ENV_DEFAULTS
     assert set(gw.GEN_DEFAULTS) == {"size", "hole_prob", "min_path"}
 
 

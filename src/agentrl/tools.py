@@ -252,14 +252,20 @@ ENVIRONMENTS: dict[str, type] = {
 TASKS = {"countdown": countdown, "gridworld": gridworld}  # built-in environments that generate their own data (prepare)
 
 
+@functools.lru_cache(maxsize=256)
+def _tool_names(cls: type) -> tuple[str, ...]:
+    return tuple(
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    )
+
+
 def environment_tools(env) -> dict[str, Callable[..., str]]:
     """An environment's tools exactly as TRL's GRPOTrainer(environment_factory=...) finds them: the public
-    functions of its class other than `reset` and `get_reward`, bound to the instance."""
-    return {
-        name: getattr(env, name)
-        for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-        if name not in ("reset", "get_reward") and not name.startswith("_")
-    }
+    functions of its class other than `reset` and `get_reward`, bound to the instance (the names are looked up
+    once per class: one episode per completion makes this a hot path)."""
+    return {name: getattr(env, name) for name in _tool_names(type(env))}
 
 
 def functions_environment(names: list[str]) -> type:
@@ -308,12 +314,22 @@ def episode_solved(row: dict, text: str, env) -> Optional[bool]:
         return False
 
 
-def _first_param(fn) -> Optional[str]:
+@functools.lru_cache(maxsize=1024)
+def _first_param_of(fn) -> Optional[str]:
     try:
         params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
     except (TypeError, ValueError):
         return None
     return params[0].name if params else None
+
+
+def _first_param(fn) -> Optional[str]:
+    """The name of a tool's first argument (a bound method's function is looked up once, not per call)."""
+    fn = getattr(fn, "__func__", fn)
+    try:
+        return _first_param_of(fn)
+    except TypeError:  # an unhashable callable
+        return _first_param_of.__wrapped__(fn)
 
 
 _POOL: list = []  # the thread that runs tool calls (replaced when a call hangs)

@@ -5,6 +5,8 @@ The environment has TRL 1.16's `environment_factory` shape: `GridWorld(**knobs)`
 and the one tool, `move(direction)`, answers where the agent is now in a few tokens: `1 2` (row, column,
 0-based), `1 2 slip` (with probability `slip_prob` the move went to a random perpendicular direction instead),
 `1 1 wall` (bumped the edge, position unchanged), `2 2 hole` (episode over, reward 0), `3 3 goal` (reward 1).
+With `view: local` the answer goes on with what lies around the new position, up down left right, `#` past the
+edge: `1 2 slip : . O # G` (the policy can see a hole next to it without finding its row and column in the grid).
 Observations depend on every earlier action, and a slip must be read and re-planned from. Slips come from a
 `random.Random(row["seed"])` made in `reset` (two draws per move, whatever the moves): same seed, same slips;
 two instances never share state. `get_reward()` is 1.0 at the goal, else 0.0.
@@ -31,7 +33,11 @@ GEN_DEFAULTS: dict = {
 ENV_DEFAULTS: dict = {
     "slip_prob": 0.2,  # a move goes to a random perpendicular direction instead, with this probability
     "max_moves": 12,  # moves per episode; later calls answer "error: no moves left"
+    "view": "position",  # what a move answers: position ("1 2 slip") | local (then the 4 cells around: "1 2 slip : . O # G")
 }
+VIEWS = ("position", "local")
+VIEW_ORDER = ("up", "down", "left", "right")  # the order of the cells a local view lists
+OUTSIDE = "#"  # a local view's cell beyond the edge
 SPLITS = ("train", "test")
 DIRECTIONS = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ALIASES = {"u": "up", "d": "down", "l": "left", "r": "right", **{d: d for d in DIRECTIONS}}
@@ -109,13 +115,21 @@ class GridWorld:
     ([row, column]), `done` and `reached` (at the goal).
     """
 
-    def __init__(self, slip_prob: float = ENV_DEFAULTS["slip_prob"], max_moves: int = ENV_DEFAULTS["max_moves"]):
+    def __init__(
+        self,
+        slip_prob: float = ENV_DEFAULTS["slip_prob"],
+        max_moves: int = ENV_DEFAULTS["max_moves"],
+        view: str = ENV_DEFAULTS["view"],
+    ):
         if not isinstance(slip_prob, (int, float)) or isinstance(slip_prob, bool) or not 0 <= slip_prob <= 1:
             raise ValueError(f"gridworld: slip_prob must be a number in [0, 1], got {slip_prob!r}")
         if not isinstance(max_moves, int) or isinstance(max_moves, bool) or not 1 <= max_moves <= 1000:
             raise ValueError(f"gridworld: max_moves must be an integer in 1..1000, got {max_moves!r}")
+        if view not in VIEWS:
+            raise ValueError(f"gridworld: view must be one of {', '.join(VIEWS)}, got {view!r}")
         self.slip_prob = float(slip_prob)
         self.max_moves = max_moves
+        self.view = view
         self._grid: Optional[list[str]] = None
         self._goal: Optional[tuple[int, int]] = None
         self._rng: Optional[random.Random] = None
@@ -149,7 +163,8 @@ class GridWorld:
             direction: up, down, left or right.
 
         Returns:
-            Where you are now, row and column, and what happened, e.g. "1 2", "1 2 slip", "0 2 wall", "2 2 goal".
+            Where you are now, row and column, and what happened, e.g. "1 2", "1 2 slip", "0 2 wall", "2 2 goal";
+            with the local view then the cells up, down, left and right ('#' past the edge), e.g. "1 2 : . O # G".
         """
         self.turns += 1
         if self._grid is None:
@@ -193,7 +208,19 @@ class GridWorld:
                 self.done = self.reached = True
                 status.append(" goal")
         self.failed_tries += failed
-        return f"{self.position[0]} {self.position[1]}" + "".join(status)
+        return f"{self.position[0]} {self.position[1]}" + "".join(status) + self._surroundings()
+
+    def _surroundings(self) -> str:
+        """With view local: " : " and the cells up, down, left and right of the position ('#' past the edge)."""
+        if self.view != "local":
+            return ""
+        r, c = self.position
+        cells = []
+        for name in VIEW_ORDER:
+            rr, cc = r + DIRECTIONS[name][0], c + DIRECTIONS[name][1]
+            inside = 0 <= rr < len(self._grid) and 0 <= cc < len(self._grid[0])
+            cells.append(self._grid[rr][cc] if inside else OUTSIDE)
+        return " : " + " ".join(cells)
 
     def get_reward(self) -> float:
         return 1.0 if self.reached else 0.0
