@@ -109,8 +109,10 @@ def _new_cache(model, gen_kw: dict):
     makes its own) when the model, its generation config or the caller's kwargs ask for another kind of cache."""
     supports = getattr(model, "_supports_default_dynamic_cache", None)
     implementation = gen_kw.get("cache_implementation", getattr(model.generation_config, "cache_implementation", None))
-    if implementation not in (None, "dynamic") or gen_kw.get("use_cache") is False or (
-        supports is not None and not supports()
+    if (
+        implementation not in (None, "dynamic")
+        or gen_kw.get("use_cache") is False
+        or (supports is not None and not supports())
     ):
         return None
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))

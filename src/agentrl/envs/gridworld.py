@@ -33,7 +33,7 @@ GEN_DEFAULTS: dict = {
 ENV_DEFAULTS: dict = {
     "slip_prob": 0.2,  # a move goes to a random perpendicular direction instead, with this probability
     "max_moves": 12,  # moves per episode; later calls answer "error: no moves left"
-    "view": "position",  # what a move answers: position ("1 2 slip") | local (then the 4 cells around: "1 2 slip : . O # G")
+    "view": "position",  # a move answers: position ("1 2 slip") | local (and the 4 cells around: "1 2 slip : . O # G")
 }
 VIEWS = ("position", "local")
 VIEW_ORDER = ("up", "down", "left", "right")  # the order of the cells a local view lists
