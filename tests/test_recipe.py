@@ -134,3 +134,9 @@ def test_a_value_dvc_would_not_write_as_given_is_refused(tmp_path):
     bad.write_text("data:\n  system_prompt: 'home is ${oc.env:HOME}'\n")
     with pytest.raises(SystemExit, match=re.escape(f"{bad}: data.system_prompt: ") + ".*interpolation"):
         recipe.overrides(bad)
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs/envs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_environment_preset_gives_valid_params(preset):
+    """Each `make env ENV=<name>` preset applies to params.yaml and validates (a typo'd key or knob fails here)."""
+    recipe.check(preset, ROOT / "params.yaml")
