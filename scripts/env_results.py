@@ -17,7 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from agentrl.agent_api import stages
+from agentrl.overrides import leaves
 
 
 def git(*args: str) -> str:
@@ -41,6 +44,26 @@ def declared_metrics() -> list[str]:
     return [m for s in stages(Path(".")) for m in s["metrics"] if m.startswith("metrics/") and m.endswith(".json")]
 
 
+def changed_params(base: str, commit: str) -> list[tuple[str, object, object]]:
+    """(key, baseline value, experiment value) of every params.yaml leaf that differs between the two commits, by
+    value: `dvc exp run -S` rewrites the file's layout (flow lists, nulls, quotes), which a text diff would show."""
+    before, after = (dict(leaves(yaml.safe_load(git("show", f"{c}:params.yaml")) or {})) for c in (base, commit))
+    missing = object()
+    return [
+        (k, before.get(k, missing), after.get(k, missing))
+        for k in sorted(set(before) | set(after))
+        if before.get(k, missing) != after.get(k, missing)
+    ]
+
+
+def _cell(value: object) -> str:
+    return (
+        "(absent)"
+        if not isinstance(value, (str, int, float, bool, list, dict, type(None)))
+        else f"`{json.dumps(value)}`"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment")
@@ -59,11 +82,12 @@ def main() -> None:
                 f"{f}: declared in dvc.yaml but not in experiment commit {commit[:10]} (did its stage run?)"
             ) from None
         (a.out_dir / Path(f).name).write_text(json.dumps(data, indent=2) + "\n")
-    params = git("diff", "--unified=0", base, commit, "--", "params.yaml")
+    rows = "".join(f"| `{k}` | {_cell(old)} | {_cell(new)} |\n" for k, old, new in changed_params(base, commit))
     (a.out_dir / "experiment.md").write_text(
         f"# {a.experiment}\n\nMetrics of the experiment `{a.experiment}` (commit {commit[:10]} on {base[:10]}), "
         f"copied by `python scripts/env_results.py {a.experiment} {a.out_dir}` after "
-        f"`make env ENV={a.experiment.removeprefix('env-')}`.\n\nThe params it changed:\n\n```diff\n{params}```\n"
+        f"`make env ENV={a.experiment.removeprefix('env-')}`.\n\nThe params it changed (params.yaml, by value):\n\n"
+        f"| key | baseline | this experiment |\n|---|---|---|\n{rows}"
     )
     print(f"{len(files)} metrics files of {a.experiment} ({commit[:10]}) -> {a.out_dir}", file=sys.stderr)
 

@@ -19,7 +19,7 @@ def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
     git(tmp_path, "config", "user.email", "t@example.com")
     git(tmp_path, "config", "user.name", "t")
     (tmp_path / "metrics").mkdir()
-    (tmp_path / "params.yaml").write_text("seed: 1\n")
+    (tmp_path / "params.yaml").write_text("seed: 1\nagent:\n  tools: [calculator]\n  environment: null\n")
     (tmp_path / "dvc.yaml").write_text(
         "stages:\n  a:\n    cmd: x\n    metrics: [metrics/eval_sft.json: {cache: false}]\n"
         "  b:\n    cmd: y\n    metrics: [metrics/compare.json]\n"
@@ -29,7 +29,8 @@ def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
     (tmp_path / "metrics/bench_tools.json").write_text('{"ratio": 1.2}')  # in git, not a pipeline metric
     git(tmp_path, "add", ".")
     git(tmp_path, "commit", "-qm", "baseline")
-    (tmp_path / "params.yaml").write_text("seed: 2\n")
+    # as `dvc exp run -S` writes it: the layout rewritten (block list, empty null), one value changed, one key added
+    (tmp_path / "params.yaml").write_text("seed: 2\nagent:\n  tools:\n  - calculator\n  environment:\n  view: local\n")
     (tmp_path / "metrics/eval_sft.json").write_text('{"accuracy": 0.5}')
     git(tmp_path, "commit", "-qam", "experiment")
     git(tmp_path, "update-ref", "refs/exps/ab/cdef/env-x", "HEAD")
@@ -46,7 +47,8 @@ def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
         "eval_sft.json",
         "experiment.md",
     ]  # not bench_tools.json: dvc.yaml does not declare it
-    assert "+seed: 2" in (tmp_path / "out/experiment.md").read_text()
+    table = [line for line in (tmp_path / "out/experiment.md").read_text().splitlines() if line.startswith("| `")]
+    assert table == ['| `agent.view` | (absent) | `"local"` |', "| `seed` | `1` | `2` |"]
     assert (tmp_path / "out/README.md").read_text() == "the hand-written account\n"
     missing = subprocess.run([sys.executable, SCRIPT, "env-y", "out"], cwd=tmp_path, capture_output=True, text=True)
     assert missing.returncode != 0 and "no experiment named 'env-y'" in missing.stderr

@@ -101,6 +101,34 @@ class Tally:
         return f"{self.who}:{self.n}"
 
 
+class Dealt:
+    """`reset` deals each instance its own card (a counter stands in for a random draw) and says which: two samples
+    of one prompt observe different things, as in TRL's loop, where each rollout's reset observation is its own."""
+
+    dealt = 0
+
+    def reset(self, **row) -> str:
+        Dealt.dealt += 1
+        self.card = Dealt.dealt
+        return f" card {self.card}"
+
+    def show(self, what: str) -> str:
+        """Show the card.
+
+        Args:
+            what: anything.
+        """
+        return f"card {self.card}"
+
+
+class Table(Dealt):
+    """The same observation for every instance (a reset that reads only the row)."""
+
+    def reset(self, **row) -> str:
+        self.card = 7
+        return " card 7"
+
+
 # ----------------------------------------------------------------------------------- a tiny model, forced
 @pytest.fixture(scope="module")
 def tiny():
@@ -250,6 +278,37 @@ def test_no_state_crosses_rows_samples_or_batches(tiny):
         for rolls, (who, n) in zip(out, (("A", 2), ("B", 1))):
             for roll in rolls:
                 assert [c["result"] for c in roll.calls] == [f"{who}:{i}" for i in range(1, n + 1)]
+
+
+def test_each_sample_gets_its_own_reset_observation(tiny):
+    """A reset observation goes into the prompt of the completion whose episode returned it (TRL appends each
+    rollout's own); samples that observe alike share one prompt. The row hook still gets (prompt, sample)."""
+    tok = tiny[0]
+    seen = []
+
+    def hook(i, s, ids):
+        seen.append((i, s))
+        return False
+
+    for cls, shared in (("Dealt", False), ("Table", True)):
+        ts = make_toolset(None, "inline", max_calls=2, environment=f"{HERE}:{cls}")
+        scripts = [("Q first", ["<<a=", "\n#### 1"]), ("Q second", ["<<b=", "\n#### 2"])]
+        tok_, model, _ = tiny
+        prompts = [prompt_of(q) for q, _ in scripts]
+        seen.clear()
+        out = generate_with_tools(
+            model, tok_, prompts, ts, 60, batch_size=8, num_samples=3, row_hook=hook,
+            logits_processor=LogitsProcessorList([Pieces(tok, scripts)]),
+        )  # fmt: skip
+        assert [len(rolls) for rolls in out] == [3, 3]
+        for (q, _), rolls in zip(scripts, out):
+            for roll in rolls:
+                prompt = tok.decode(roll.prompt_ids)
+                card = roll.episode.env.card
+                assert q in prompt and prompt.endswith(f" card {card}<|im_end|>\n<|im_start|>assistant\n"), prompt
+                assert roll.calls[0]["result"] == f"card {card}"  # the episode the prompt came from answers
+            assert (len({r.episode.env.card for r in rolls}) == 1) == shared
+        assert set(seen) == {(i, s) for i in range(2) for s in range(3)}
 
 
 # ----------------------------------------------------------------------------------- 4. integration

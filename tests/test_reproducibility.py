@@ -71,7 +71,13 @@ def test_portable_thread_count_reaches_the_stages(monkeypatch):
         assert env["OMP_NUM_THREADS"] == "3" and configure_cpu_threads() == 3 == torch.get_num_threads()
         rep.apply("native", 3, environ=env)
         monkeypatch.setattr(os, "cpu_count", lambda: 5)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(5)), raising=False)
         assert configure_cpu_threads() == 5
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)  # taskset -c 3
+        assert configure_cpu_threads() == 1
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+        assert configure_cpu_threads() == 2  # each of 2 processes: half the 4 cores it may use
     finally:
         rep.APPLIED.clear()
         rep.APPLIED.update(before[0])

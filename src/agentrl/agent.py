@@ -201,22 +201,31 @@ def _is_ids(prompt) -> bool:
 
 # --------------------------------------------------------------------- the steps of generate_with_tools
 def _reset_episodes(toolset: Optional[Toolset], prompts: list, rows: Optional[list[dict]], num_samples: int):
-    """One environment episode per completion, reset with its prompt's row -> (prompts, episodes[prompt][sample]),
-    episodes None without a toolset. An observation that reset returns (the first sample's) is appended to the
-    prompt's last message; the caller's list is not changed."""
+    """One environment episode per completion, reset with its prompt's row -> (prompts, episodes, per_sample).
+    An observation that `reset` returns is appended to the prompt's last message, as TRL's environment_factory loop
+    does for each rollout. When the samples of a prompt observe the same (or nothing), episodes[prompt][sample];
+    when they differ (a reset that draws at random), every sample becomes a prompt of its own with its own
+    observation: per_sample True, episodes[prompt * num_samples + sample] == [its episode]. Episodes are None
+    without a toolset. The caller's list is not changed."""
     if toolset is None:
-        return prompts, None
-    episodes: list[list[Episode]] = []
-    for i in range(len(prompts)):
-        episodes.append([toolset.episode(rows[i] if rows is not None else None) for _ in range(num_samples)])
-        obs = episodes[i][0].observation
+        return prompts, None, False
+    episodes: list[list[Episode]] = [
+        [toolset.episode(rows[i] if rows is not None else None) for _ in range(num_samples)]
+        for i in range(len(prompts))
+    ]
+    per_sample = any(len({e.observation for e in eps}) > 1 for eps in episodes)
+    if per_sample:
+        prompts = [p for p in prompts for _ in range(num_samples)]
+        episodes = [[e] for eps in episodes for e in eps]
+    out = list(prompts)
+    for i, eps in enumerate(episodes):
+        obs = eps[0].observation
         if obs is not None:
             if not (isinstance(prompts[i], list) and prompts[i] and isinstance(prompts[i][-1], dict)):
                 raise ValueError("an environment whose reset() returns an observation needs chat-message prompts")
             last = prompts[i][-1]
-            prompts = list(prompts)
-            prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + obs}]
-    return prompts, episodes
+            out[i] = prompts[i][:-1] + [{**last, "content": last["content"] + obs}]
+    return out, episodes, per_sample
 
 
 def _prompt_inputs(tokenizer, prompts: list, chat_kw: dict) -> list:
@@ -442,14 +451,20 @@ def generate_with_tools(
     after every sampled token of a row (streaming, stop strings), ends that row when it returns True
     (finish_reason 'stop'). `rows` (one dataset row per prompt) reset each completion's own environment
     instance (`toolset.episode(row)`): two completions never share state. An observation that `reset`
-    returns is appended to the prompt's last message, as TRL's environment_factory loop does.
+    returns is appended to the prompt's last message, each sample's own, as TRL's environment_factory loop does.
     """
     tokenizer.padding_side = "left"
     if rows is not None and len(rows) != len(prompts):
         raise ValueError(f"generate_with_tools: {len(rows)} rows for {len(prompts)} prompts")
-    prompts, episodes = _reset_episodes(toolset, prompts, rows, num_samples)
-    inputs = _prompt_inputs(tokenizer, prompts, chat_template_kwargs or {})
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    prompts, episodes, per_sample = _reset_episodes(toolset, prompts, rows, num_samples)
+    group = num_samples if per_sample else 1  # each sample its own prompt (its own observation): regrouped at the end
+    if per_sample:
+        budgets = [b for b in budgets for _ in range(group)]
+        hook = row_hook
+        row_hook = None if hook is None else (lambda i, s, ids: hook(i // group, i % group, ids))
+        batch_size, num_samples = batch_size * group, 1
+    inputs = _prompt_inputs(tokenizer, prompts, chat_template_kwargs or {})
     # by length (a token counts as 4 characters), so that a batch pads little
     order = sorted(range(len(prompts)), key=lambda i: len(inputs[i]) * (4 if isinstance(inputs[i], list) else 1))
     device = next(model.parameters()).device
@@ -478,6 +493,8 @@ def generate_with_tools(
             _extend(batch, seqs, new_mask, keep, inserts, pad)
         for roll in batch.rolls:
             roll.text = tokenizer.decode(roll.completion_ids, skip_special_tokens=True)
+    if group > 1:
+        out = [[rolls[0] for rolls in out[i : i + group]] for i in range(0, len(out), group)]
     return out
 
 

@@ -241,14 +241,26 @@ def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
     return get_last_checkpoint(str(output_dir))
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS keeps one (taskset, a container's or a
+    SLURM job's cpuset), at most os.cpu_count() (the machine's cores)."""
+    total = os.cpu_count() or 1
+    try:
+        return max(1, min(total, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
+        return total
+
+
 def configure_cpu_threads() -> int:
-    """On CPU, give each process its share of the cores. `accelerate launch` pins OMP_NUM_THREADS=1
-    for non-CPU configs, which halves a 2-core machine's speed for a single process."""
+    """On CPU, give each process its share of the cores it may run on (usable_cpus). `accelerate launch` pins
+    OMP_NUM_THREADS=1 for non-CPU configs, which halves a 2-core machine's speed for a single process, so that
+    variable is not read; a process started under `taskset -c 0` gets one thread, not one per core of the machine
+    (which would oversubscribe the one core it has)."""
     if torch.cuda.is_available():
         return torch.get_num_threads()
     from .reproducibility import fixed_threads
 
     # reproducibility.mode portable: its fixed count (the bytes depend on it), else the process's share of the cores
-    n = fixed_threads() or max(1, (os.cpu_count() or 1) // world_size())
+    n = fixed_threads() or max(1, usable_cpus() // world_size())
     torch.set_num_threads(n)
     return n
