@@ -161,6 +161,63 @@ def test_loop_without_calls_is_plain_generation(tiny):
         assert a[0].completion_ids == b[0].completion_ids and a[0].env_mask == [1] * len(a[0].completion_ids)
 
 
+def test_growing_kv_cache_gives_the_bytes_of_transformers_dynamic_cache(tiny, monkeypatch):
+    """The loop's KV cache (agent._GrowingLayer: written in place, grown by doubling) against transformers' own
+    DynamicCache (monkeypatched in): the same completion tokens and logprobs, bit for bit, through tool inserts
+    (re-prefill), rows leaving the batch (batch_select_indices) and sampling."""
+    import agentrl.agent as agent
+
+    tok, model, prompts, _ = tiny
+    ts = make_toolset(["calculator"], "inline", max_calls=3)
+    runs = {}
+    for name in ("growing", "dynamic"):
+        if name == "dynamic":
+            monkeypatch.setattr(agent, "_new_cache", lambda model, gen_kw: None)  # generate makes a DynamicCache
+        lp = LogitsProcessorList([ForceCalls(tok, calls=2)])
+        greedy = generate_with_tools(model, tok, prompts, ts, 40, batch_size=5, logits_processor=lp)
+        sampled = generate_with_tools(
+            model, tok, prompts, ts, 40, batch_size=5, temperature=1.0, seed=3, num_samples=2, return_logprobs=True
+        )
+        runs[name] = [(r.completion_ids, r.env_mask, r.logprobs) for rolls in greedy + sampled for r in rolls]
+    assert runs["growing"] == runs["dynamic"]
+    assert sum(1 for ids, mask, _ in runs["growing"] if 0 in mask) >= len(prompts)  # tool results were inserted
+
+
+def test_growing_layer_matches_dynamic_layer_operation_by_operation():
+    from transformers.cache_utils import DynamicLayer
+
+    from agentrl.agent import _GrowingLayer
+
+    torch.manual_seed(0)
+    grow, dyn = _GrowingLayer(), DynamicLayer()
+
+    def same():
+        assert grow.get_seq_length() == dyn.get_seq_length()
+        assert torch.equal(grow.keys, dyn.keys) and torch.equal(grow.values, dyn.values)
+
+    batch = 4
+    for step, n in enumerate([7, 1, 1, 3, 1, 1, 1, 1, 9, 1]):  # a prefill, decode steps, inserted blocks
+        k, v = torch.randn(batch, 2, n, 8), torch.randn(batch, 2, n, 8)
+        out_g, out_d = grow.update(k, v), dyn.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(out_g, out_d))
+        same()
+        if step == 4:
+            for layer in (grow, dyn):
+                layer.batch_select_indices(torch.tensor([0, 2, 3]))
+            batch = 3
+            same()
+        if step == 6:
+            for layer in (grow, dyn):
+                layer.crop(-2)
+            same()
+    for layer in (grow, dyn):
+        layer.batch_repeat_interleave(2)
+    same()
+    k, v = torch.randn(6, 2, 1, 8), torch.randn(6, 2, 1, 8)
+    assert all(torch.equal(a, b) for a, b in zip(grow.update(k, v), dyn.update(k, v)))
+    assert grow._k.shape[-2] >= grow.get_seq_length()  # room to spare, filled part viewed
+
+
 class Script(LogitsProcessor):
     """Forces each row to write the model tokens of a given trace (tool tokens come from the loop)."""
 

@@ -58,8 +58,8 @@ class Rollout:
 class _GrowingLayer(DynamicLayer):
     """A KV-cache layer that writes each step's keys and values into a buffer with room to spare (doubled when
     full) instead of concatenating the whole cache every step, as transformers' DynamicLayer does. Attention reads
-    the same values through a view of the filled part, so the outputs are the same bytes
-    (tests/test_agent_loop.py); a segment of the loop decodes ~10% faster on 2 CPU cores (docs/benchmarks.md)."""
+    the same values through a view of the filled part, so the outputs are the same bytes (tests/test_agent.py);
+    the loop generates ~10% faster with it on 2 CPU cores (docs/benchmarks.md)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
