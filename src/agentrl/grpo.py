@@ -156,6 +156,7 @@ class ToolRollout:
                     top_p=trainer.top_p,
                     top_k=trainer.top_k or 0,
                     rows=[self.rows.get(prompt_key(p), {}) for p in prompts] if self.rows else None,
+                    chat_template_kwargs=self.toolset.chat_template_kwargs() if self.toolset is not None else None,
                     **extra,
                 )
             ]
