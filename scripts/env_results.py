@@ -44,24 +44,23 @@ def declared_metrics() -> list[str]:
     return [m for s in stages(Path(".")) for m in s["metrics"] if m.startswith("metrics/") and m.endswith(".json")]
 
 
+MISSING = object()  # a key one side of changed_params does not have
+
+
 def changed_params(base: str, commit: str) -> list[tuple[str, object, object]]:
     """(key, baseline value, experiment value) of every params.yaml leaf that differs between the two commits, by
-    value: `dvc exp run -S` rewrites the file's layout (flow lists, nulls, quotes), which a text diff would show."""
+    value (MISSING where a side lacks the key): `dvc exp run -S` rewrites the file's layout (flow lists, nulls,
+    quotes), which a text diff would show."""
     before, after = (dict(leaves(yaml.safe_load(git("show", f"{c}:params.yaml")) or {})) for c in (base, commit))
-    missing = object()
     return [
-        (k, before.get(k, missing), after.get(k, missing))
+        (k, before.get(k, MISSING), after.get(k, MISSING))
         for k in sorted(set(before) | set(after))
-        if before.get(k, missing) != after.get(k, missing)
+        if before.get(k, MISSING) != after.get(k, MISSING)
     ]
 
 
 def _cell(value: object) -> str:
-    return (
-        "(absent)"
-        if not isinstance(value, (str, int, float, bool, list, dict, type(None)))
-        else f"`{json.dumps(value)}`"
-    )
+    return "(absent)" if value is MISSING else f"`{json.dumps(value, default=str)}`"
 
 
 def main() -> None:
