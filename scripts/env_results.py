@@ -17,10 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from agentrl.agent_api import stages
-from agentrl.overrides import leaves
+from agentrl.overrides import leaves, load, same
 
 
 def git(*args: str) -> str:
@@ -49,13 +47,14 @@ MISSING = object()  # a key one side of changed_params does not have
 
 def changed_params(base: str, commit: str) -> list[tuple[str, object, object]]:
     """(key, baseline value, experiment value) of every params.yaml leaf that differs between the two commits, by
-    value (MISSING where a side lacks the key): `dvc exp run -S` rewrites the file's layout (flow lists, nulls,
-    quotes), which a text diff would show."""
-    before, after = (dict(leaves(yaml.safe_load(git("show", f"{c}:params.yaml")) or {})) for c in (base, commit))
+    value as the stages read them (overrides.load, overrides.same: `1e-6` a float, `true` not `1`; MISSING where a
+    side lacks the key): `dvc exp run -S` rewrites the file's layout (flow lists, nulls, quotes), which a text diff
+    would show."""
+    before, after = (dict(leaves(load(git("show", f"{c}:params.yaml")) or {})) for c in (base, commit))
     return [
         (k, before.get(k, MISSING), after.get(k, MISSING))
         for k in sorted(set(before) | set(after))
-        if before.get(k, MISSING) != after.get(k, MISSING)
+        if k not in before or k not in after or not same(before[k], after[k])
     ]
 
 

@@ -19,7 +19,7 @@ def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
     git(tmp_path, "config", "user.email", "t@example.com")
     git(tmp_path, "config", "user.name", "t")
     (tmp_path / "metrics").mkdir()
-    (tmp_path / "params.yaml").write_text("seed: 1\nagent:\n  tools: [calculator]\n  environment: null\n")
+    (tmp_path / "params.yaml").write_text("seed: 1\nlr: 1e-6\nagent:\n  tools: [calculator]\n  environment: null\n")
     (tmp_path / "dvc.yaml").write_text(
         "stages:\n  a:\n    cmd: x\n    metrics: [metrics/eval_sft.json: {cache: false}]\n"
         "  b:\n    cmd: y\n    metrics: [metrics/compare.json]\n"
@@ -30,7 +30,10 @@ def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
     git(tmp_path, "add", ".")
     git(tmp_path, "commit", "-qm", "baseline")
     # as `dvc exp run -S` writes it: the layout rewritten (block list, empty null), one value changed, one key added
-    (tmp_path / "params.yaml").write_text("seed: 2\nagent:\n  tools:\n  - calculator\n  environment:\n  view: local\n")
+    # `1e-6` and `0.000001` are one float as the stages read them (YAML 1.1 alone reads the first as a string)
+    (tmp_path / "params.yaml").write_text(
+        "seed: 2\nlr: 0.000001\nagent:\n  tools:\n  - calculator\n  environment:\n  view: local\n"
+    )
     (tmp_path / "metrics/eval_sft.json").write_text('{"accuracy": 0.5}')
     git(tmp_path, "commit", "-qam", "experiment")
     git(tmp_path, "update-ref", "refs/exps/ab/cdef/env-x", "HEAD")
