@@ -106,6 +106,10 @@ def _instance(row: dict) -> tuple[list[str], tuple[int, int], tuple[int, int], i
     return grid, start, goal, seed
 
 
+def _inside(grid: list[str], r: int, c: int) -> bool:
+    return 0 <= r < len(grid) and 0 <= c < len(grid[0])
+
+
 # ----------------------------------------------------------------------------------- environment
 class GridWorld:
     """One gridworld episode per `reset`; the policy moves with `move` and reads where it landed.
@@ -194,7 +198,7 @@ class GridWorld:
         status = [" slip"] if slipped else []
         self.slips += slipped
         failed = slipped
-        if not (0 <= r < len(self._grid) and 0 <= c < len(self._grid[0])):
+        if not _inside(self._grid, r, c):
             self.walls += 1
             failed = True
             status.append(" wall")
@@ -218,8 +222,7 @@ class GridWorld:
         cells = []
         for name in VIEW_ORDER:
             rr, cc = r + DIRECTIONS[name][0], c + DIRECTIONS[name][1]
-            inside = 0 <= rr < len(self._grid) and 0 <= cc < len(self._grid[0])
-            cells.append(self._grid[rr][cc] if inside else OUTSIDE)
+            cells.append(self._grid[rr][cc] if _inside(self._grid, rr, cc) else OUTSIDE)
         return " : " + " ".join(cells)
 
     def get_reward(self) -> float:
@@ -242,7 +245,7 @@ def distances(grid: list[str], goal: tuple[int, int]) -> dict[tuple[int, int], i
         r, c = queue.popleft()
         for dr, dc in DIRECTIONS.values():
             nxt = (r + dr, c + dc)
-            if 0 <= nxt[0] < len(grid) and 0 <= nxt[1] < len(grid[0]) and grid[nxt[0]][nxt[1]] != "O":
+            if _inside(grid, *nxt) and grid[nxt[0]][nxt[1]] != "O":
                 if nxt not in dist:
                     dist[nxt] = dist[(r, c)] + 1
                     queue.append(nxt)
@@ -254,7 +257,7 @@ def policy(grid: list[str], dist: dict, position) -> str:
     whose slips (the two perpendicular cells) cannot fall into a hole, then POLICY_ORDER."""
 
     def hole(r: int, c: int) -> bool:
-        return 0 <= r < len(grid) and 0 <= c < len(grid[0]) and grid[r][c] == "O"
+        return _inside(grid, r, c) and grid[r][c] == "O"
 
     r, c = position
     best = None
