@@ -283,7 +283,7 @@ def test_no_state_crosses_rows_samples_or_batches(tiny):
 def test_each_sample_gets_its_own_reset_observation(tiny):
     """A reset observation goes into the prompt of the completion whose episode returned it (TRL appends each
     rollout's own); samples that observe alike share one prompt. The row hook still gets (prompt, sample)."""
-    tok = tiny[0]
+    tok, model, _ = tiny
     seen = []
 
     def hook(i, s, ids):
@@ -293,11 +293,10 @@ def test_each_sample_gets_its_own_reset_observation(tiny):
     for cls, shared in (("Dealt", False), ("Table", True)):
         ts = make_toolset(None, "inline", max_calls=2, environment=f"{HERE}:{cls}")
         scripts = [("Q first", ["<<a=", "\n#### 1"]), ("Q second", ["<<b=", "\n#### 2"])]
-        tok_, model, _ = tiny
         prompts = [prompt_of(q) for q, _ in scripts]
         seen.clear()
         out = generate_with_tools(
-            model, tok_, prompts, ts, 60, batch_size=8, num_samples=3, row_hook=hook,
+            model, tok, prompts, ts, 60, batch_size=8, num_samples=3, row_hook=hook,
             logits_processor=LogitsProcessorList([Pieces(tok, scripts)]),
         )  # fmt: skip
         assert [len(rolls) for rolls in out] == [3, 3]
