@@ -82,6 +82,54 @@ def test_solver_paths_are_shortest_and_avoid_holes():
     assert checked > 100
 
 
+# ----------------------------------------------------------------------------------- ceiling
+def test_success_probability_by_hand():
+    corridor = {"grid": ["S.G"], "start": [0, 0], "goal": [0, 2], "seed": 0}
+    # a slip on a one-row grid bumps the edge and stays: two clean moves are needed
+    assert gw.success_probability(corridor, 0.2, 2) == pytest.approx(0.8**2)
+    assert gw.success_probability(corridor, 0.2, 3) == pytest.approx(0.8**2 + 2 * 0.8 * 0.2 * 0.8)
+    assert gw.success_probability(corridor, 0.0, 1) == 0.0  # too few moves
+    assert gw.success_probability(corridor, 1.0, 12) == 0.0  # every move slips into the edge
+    open_grid = {"grid": ["S...", "....", "....", "...G"], "start": [0, 0], "goal": [3, 3], "seed": 0}
+    assert gw.success_probability(open_grid, 0.0, 6) == 1.0 and gw.success_probability(open_grid, 0.0, 5) == 0.0
+    for name in gw.POLICIES:  # the demo policy is optimal where nothing can go wrong
+        assert gw.success_probability(open_grid, 0.2, 12, name) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_demo_success_probability_matches_the_environment():
+    """The transition model (slips to either side, walls keep the position, holes end the episode, the move
+    budget) is GridWorld.move's: the demonstrations' policy, run through the environment over 4,000 seeds,
+    reaches the goal as often as computed."""
+    env = GridWorld(slip_prob=0.3, max_moves=8)
+    n = 4000
+    reached = 0
+    for seed in range(n):
+        gw.demonstrate({**ROW, "seed": seed}, env)
+        reached += env.reached
+    p = gw.success_probability(ROW, 0.3, 8, "demo")
+    assert 0.2 < p < 0.9  # a grid where slips matter
+    assert abs(reached / n - p) < 4 * (p * (1 - p) / n) ** 0.5
+
+
+def test_optimal_is_never_below_the_demo_policy_and_sometimes_above():
+    rows = make_rows(40, random.Random(3), "test")
+    gaps = [gw.success_probability(r, 0.2, 12) - gw.success_probability(r, 0.2, 12, "demo") for r in rows]
+    assert min(gaps) > -1e-12 and max(gaps) > 0.01
+
+
+def test_ceiling_of_rows():
+    rows = make_rows(30, random.Random(4), "test")
+    c = gw.ceiling(rows, {"slip_prob": 0.2, "view": "local"})
+    assert c["demo_reached"] == round(sum(r["answer"].endswith("#### goal") for r in rows) / 30, 4)
+    assert c["demo_policy"] == round(sum(gw.success_probability(r, 0.2, 12, "demo") for r in rows) / 30, 4)
+    assert c["demo_policy"] <= c["optimal"] <= 1.0
+    assert gw.ceiling(rows, {"slip_prob": 0.0})["optimal"] == 1.0  # generated grids are solvable in max_moves
+    with pytest.raises(ValueError, match="policy_name"):
+        gw.success_probability(ROW, 0.2, 12, "greedy")
+    with pytest.raises(ValueError, match="slip_prob"):
+        gw.success_probability(ROW, 1.5, 12)
+
+
 # ----------------------------------------------------------------------------------- the move tool
 def test_moves_walls_holes_and_goal_without_slips():
     env = episode(slip_prob=0.0)

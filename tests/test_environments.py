@@ -521,6 +521,21 @@ def test_prepare_countdown_writes_rows_that_reset_the_environment(workdir):
         assert countdown.correct(r, demo, ep.env)
     assert all(r["ground_truth"] == str(r["target"]) for r in rl + test)
     assert m["demo_failed_try_share"] > 0
+    assert "test_ceiling" not in m  # countdown's solver solves every instance
+
+
+def test_prepare_gridworld_reports_the_test_ceiling(workdir):
+    from agentrl import prepare
+    from agentrl.config import validate_params
+    from agentrl.data import load_jsonl
+
+    p = mini_params()
+    p["agent"].update(tools=[], environment="gridworld")
+    p["environments"]["gridworld"].update(num_train=20, num_test=8, slip_prob=0.3, max_moves=10)
+    m = prepare.prepare(validate_params(p))
+    test = load_jsonl("data/prepared/test.jsonl")
+    assert m["test_ceiling"] == gridworld.ceiling(test, {"slip_prob": 0.3, "max_moves": 10})
+    assert m["test_ceiling"] != gridworld.ceiling(test, {})  # the knobs reach it
 
 
 def _params_error(change) -> str:

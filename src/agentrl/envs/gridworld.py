@@ -285,6 +285,69 @@ def solve(grid: list[str], start, goal) -> Optional[list[str]]:
     return path
 
 
+POLICIES = ("optimal", "demo")
+
+
+def success_probability(
+    row: dict,
+    slip_prob: float = ENV_DEFAULTS["slip_prob"],
+    max_moves: int = ENV_DEFAULTS["max_moves"],
+    policy_name: str = "optimal",
+) -> float:
+    """The chance, over the slips, that an episode from the row's start reaches the goal within `max_moves` moves:
+    `optimal` (the best any policy can do: value iteration over (cell, moves left), the slips as GridWorld.move
+    draws them, a wall leaving the agent where it was, a hole ending the episode) or `demo` (the demonstrations'
+    re-planning policy). The ceiling a trained policy can approach on these grids, whatever it learned from."""
+    if policy_name not in POLICIES:
+        raise ValueError(f"gridworld: policy_name must be one of {', '.join(POLICIES)}, got {policy_name!r}")
+    GridWorld(slip_prob=slip_prob, max_moves=max_moves)  # the same knob checks as an episode's
+    grid, start, goal, _ = _instance(row)
+    dist = distances(grid, goal)
+    cells = [(r, c) for r in range(len(grid)) for c in range(len(grid[0]))]
+    live = [x for x in cells if grid[x[0]][x[1]] != "O" and x != goal]
+    outcomes = {}  # (cell, intended move) -> [(probability, cell it lands on)]
+    for r, c in live:
+        for name in DIRECTIONS:
+            sides = PERPENDICULAR[name]
+            outcomes[(r, c), name] = [
+                (p, (r + dr, c + dc) if _inside(grid, r + dr, c + dc) else (r, c))
+                for p, (dr, dc) in (
+                    (1 - slip_prob, DIRECTIONS[name]),
+                    (slip_prob / 2, DIRECTIONS[sides[0]]),
+                    (slip_prob / 2, DIRECTIONS[sides[1]]),
+                )
+            ]
+    value = {x: 0.0 for x in cells}  # moves left 0: only the goal counts
+    value[goal] = 1.0
+    for _ in range(max_moves):
+        nxt = dict(value)
+        for x in live:
+            names = DIRECTIONS if policy_name == "optimal" or x not in dist else (policy(grid, dist, x),)
+            nxt[x] = max(sum(p * value[y] for p, y in outcomes[x, name]) for name in names)
+        if nxt == value:  # holes and the goal absorb: later moves change nothing
+            break
+        value = nxt
+    return value[start]
+
+
+def ceiling(rows: list[dict], env_knobs: Optional[dict] = None) -> dict:
+    """How well policies can do on these rows (prepare's metrics, for the test split): the share whose reference
+    demonstration reached the goal (`demo_reached`: one draw of the slips, the seeds the rows carry) and the
+    expected success over the slips of the demonstrations' policy (`demo_policy`) and of the best policy
+    (`optimal`), averaged over the rows."""
+    k = {**ENV_DEFAULTS, **(env_knobs or {})}
+    n = len(rows) or 1
+
+    def mean(name: str) -> float:
+        return round(sum(success_probability(r, k["slip_prob"], k["max_moves"], name) for r in rows) / n, 4)
+
+    return {
+        "demo_reached": round(sum(r["answer"].endswith("#### goal") for r in rows) / n, 4),
+        "demo_policy": mean("demo"),
+        "optimal": mean("optimal"),
+    }
+
+
 # ----------------------------------------------------------------------------------- generation
 def _gen_knobs(knobs: dict) -> dict:
     unknown = sorted(set(knobs) - set(GEN_DEFAULTS))
