@@ -444,6 +444,34 @@ def test_score_judges_countdown_by_its_checker_and_reports_recovery():
     assert preds[0]["extracted"] == "(3+5)*3"
 
 
+def test_majority_vote_of_environment_episodes_uses_their_judgement():
+    """With several samples per problem, the vote is over the final answers, each judged as the environment judged
+    the samples that gave it (not the answer text against ground_truth: a countdown expression never equals the
+    target's number)."""
+    from agentrl.evaluate import score
+
+    ts = make_toolset(None, "inline", environment="countdown")
+    row = {"id": "c", "question": "q", "numbers": [3, 5, 3], "target": 24, "ground_truth": "24"}
+    per_row = [  # samples' final answers: majority right / majority wrong but one right
+        ["#### (3+5)*3", "#### 3*5+3", "#### (3+5)*3"],
+        ["#### 3*5+3", "#### 3*5+3", "#### (3+5)*3"],
+    ]
+    rows = [{**row, "id": f"c{i}"} for i in range(len(per_row))]
+    rollouts = [[_rollout(ts, r, [], t) for t in texts] for r, texts in zip(rows, per_row)]
+    m, _ = score(rows, [[(t, 3) for t in texts] for texts in per_row], {"accuracy": 1.0}, {}, rollouts)
+    assert m["pass@3"] == 1.0 and m["majority_vote_accuracy"] == 0.5
+    grid = make_toolset(None, "inline", environment="gridworld", env_kwargs={"slip_prob": 0.0})
+    base = {"question": "q", "grid": ["S.", ".G"], "start": [0, 0], "goal": [1, 1], "seed": 0, "ground_truth": "goal"}
+    played = [  # every sample claims the goal; in the second row one of them is not there
+        [(["right", "down"], "#### goal"), (["down", "right"], "#### goal")],
+        [(["right", "down"], "#### goal"), (["right"], "#### goal")],
+    ]
+    rows = [{**base, "id": f"g{i}"} for i in range(len(played))]
+    rollouts = [[_rollout(grid, r, calls, t) for calls, t in samples] for r, samples in zip(rows, played)]
+    m, _ = score(rows, [[(t, 3) for _, t in samples] for samples in played], {"accuracy": 1.0}, {}, rollouts)
+    assert m["pass@2"] == 1.0 and m["majority_vote_accuracy"] == 0.5
+
+
 def test_score_judges_gridworld_by_the_environment_not_the_text():
     from agentrl.evaluate import score
 

@@ -110,7 +110,13 @@ def score(
         rew += r_total
         pass_k += any(ok)
         votes = collections.Counter(e for e in extracted if e is not None)
-        majority += bool(votes) and answers_match(votes.most_common(1)[0][0], truth)
+        top = votes.most_common(1)[0][0] if votes else None
+        if any(j is not None for j in judged):  # the environment judged each sample, not the answer against truth:
+            # the most common final answer counts when every sample that gave it was solved (countdown: the answer
+            # decides, so they agree; gridworld: the claim "goal" must have held in every episode that made it)
+            majority += top is not None and all(o for e, o in zip(extracted, ok) if e == top)
+        else:
+            majority += top is not None and answers_match(top, truth)
         key = str(row.get("steps", "?"))
         by_steps[key][0] += ok[0]
         by_steps[key][1] += 1
