@@ -38,6 +38,7 @@ from agentrl.scratch import copy_repo, git_commit_all, set_param
 STEPS = 40
 EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_tokens: not the hard case
 LOOP_ROUNDS = 3  # loop/plain pairs per tool_loop_vs_plain run
+LOOP_GOAL = 1.3  # issue 29: the loop at least this many times plain batched generate's tokens/s
 CHAT_STEPS, CHAT_WARMUP = 4, 1  # chat-format GRPO steps per trainer, the first left out (~25 s each on 2 cores)
 
 
@@ -630,7 +631,7 @@ def tools_only(params, repeats: int, n: int) -> None:
         "calculator calls, each result appended to the KV cache |",
         f"| plain `generate`, tokens/s | {mm(t['plain_tokens_per_second'], '{:.0f}')} | one `model.generate` call "
         "per batch on the same prompts, no tool |",
-        f"| **tool_loop_vs_plain_generate_ratio** | {mm(t['ratio'], '{:.2f}')} (goal ≥ 1.3) | loop tokens/s ÷ "
+        f"| **tool_loop_vs_plain_generate_ratio** | {mm(t['ratio'], '{:.2f}')} (goal ≥ {LOOP_GOAL}) | loop tokens/s ÷ "
         f"plain tokens/s: per run the median of {LOOP_ROUNDS} rounds of loop then plain, back to back (all rounds' "
         f"ratios: {', '.join(f'{x:.2f}' for x in t['round_ratios'])}) |",
         f"| GRPO optimizer step with tools | {mm(g['seconds_per_step'])} s | GRPOTrainer + the tool loop as "
@@ -918,7 +919,7 @@ def main() -> None:
         f"greedy, {res['tool_loop']['tool_calls']} tool calls |",
         f"| plain `generate`, tokens/s | {mm(res['tool_loop']['plain_tokens_per_second'], '{:.0f}')} | "
         "one `model.generate` call per batch on the same prompts, no tool |",
-        f"| **tool_loop_vs_plain_generate_ratio** | {mm(res['tool_loop']['ratio'], '{:.2f}')} (goal ≥ 1.3) | "
+        f"| **tool_loop_vs_plain_generate_ratio** | {mm(res['tool_loop']['ratio'], '{:.2f}')} (goal ≥ {LOOP_GOAL}) | "
         "a call appends its result to the KV cache; nothing is re-encoded |",
     ]
     if not a.skip_dvc:
