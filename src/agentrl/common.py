@@ -75,7 +75,7 @@ _EVAL_HEADLINE = (
     "recovered_share",  # figure: share of solved episodes that recovered from a failed try
 )
 HEADLINE: dict[str, tuple[str, ...]] = {
-    "prepare": ("written", "tool_solution_share"),
+    "prepare": ("written", "tool_solution_share", "test_ceiling"),
     "base": ("parameters", "pretrain.final_loss"),
     "sft_train": ("final_loss", "steps"),
     "grpo_train": ("reward_last", "reward_mean_last_20pct", "tool_use_rate_last", "steps"),
