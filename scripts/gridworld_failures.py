@@ -22,7 +22,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-VIEW_ORDER = ("up", "down", "left", "right")  # agentrl.envs.gridworld.VIEW_ORDER: the local view's cells
+from agentrl.envs.gridworld import VIEW_ORDER  # the order of the cells a local view lists
+
 KINDS = (
     "solved",
     "slipped into a hole",
