@@ -17,11 +17,10 @@ ignored):
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import Counter
 from pathlib import Path
 
+from agentrl.compare import read_predictions
 from agentrl.envs.gridworld import VIEW_ORDER  # the order of the cells a local view lists
 
 KINDS = (
@@ -56,21 +55,10 @@ def classify(row: dict) -> str:
 
 
 def read(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        rows = []
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                row["correct"]  # noqa: B018 (a row without it is not an evaluation's prediction)
-            except (ValueError, KeyError, TypeError) as e:
-                raise SystemExit(
-                    f"{path}:{n}: expected a predictions row with 'correct' and 'tool_calls' ({e})"
-                ) from None
-            rows.append(row)
-    return rows
+    try:
+        return read_predictions(path, ("correct",))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main(argv=None) -> dict:

@@ -10,25 +10,17 @@ one of the two solved, paired bootstrap 95% CI of the difference AFTER - BEFORE)
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 
-from agentrl.compare import paired_test
+from agentrl.compare import paired_test, read_predictions
 
 
 def correctness(path: Path) -> dict[str, bool]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    out = {}
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                out[str(row["id"])] = bool(row["correct"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise SystemExit(f"{path}:{n}: expected a JSON object with 'id' and 'correct' ({e})") from None
+    try:
+        out = {str(r["id"]): bool(r["correct"]) for r in read_predictions(path, ("id", "correct"))}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if not out:
         raise SystemExit(f"{path}: no predictions")
     return out

@@ -9,6 +9,8 @@ confidence interval of grpo - sft. Writes metrics/compare.json and metrics/accur
 from __future__ import annotations
 
 import csv
+import gzip
+import json
 import math
 import random
 from pathlib import Path
@@ -60,6 +62,27 @@ def paired_test(a: dict[str, bool], b: dict[str, bool], seed: int) -> dict:
         "ci95": [round(lo, 4), round(hi, 4)],
         "test": "exact McNemar; paired bootstrap CI (2000 resamples)",
     }
+
+
+def read_predictions(path: str | Path, required: tuple[str, ...] = ("id", "correct")) -> list[dict]:
+    """The rows of an evaluation's predictions file (`eval/<stage>/predictions.jsonl`, or a copy gzipped as
+    `.jsonl.gz`, as docs/envs keeps them), each a JSON object with at least the `required` keys. A bad line is a
+    ValueError naming the file and the line (what scripts/paired_test.py and scripts/gridworld_failures.py read)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(row, dict) or any(k not in row for k in required):
+                raise ValueError(f"{path}:{n}: expected a JSON object with {', '.join(map(repr, required))}")
+            rows.append(row)
+    return rows
 
 
 def correctness(stage: str) -> dict[str, bool]:
