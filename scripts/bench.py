@@ -42,6 +42,19 @@ LOOP_GOAL = 1.3  # issue 29: the loop at least this many times plain batched gen
 CHAT_STEPS, CHAT_WARMUP = 4, 1  # chat-format GRPO steps per trainer, the first left out (~25 s each on 2 cores)
 
 
+def machine() -> str:
+    """The CPU model (from /proc/cpuinfo where there is one: kernels and timings depend on it), cores, torch."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        field = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in text.split("\n\n")[0].splitlines())}
+        flags = field.get("flags", "").split()
+        isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "no AVX2")
+        cpu = f"{field['model name']} (family {field.get('cpu family')} model {field.get('model')}, {isa})"
+    except (OSError, KeyError):
+        cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
 def sync(model) -> None:
     """Wait for the device's queued work (CUDA runs asynchronously), so a timer reads what it ran."""
     if model.device.type == "cuda":
@@ -570,7 +583,7 @@ def tools_only(params, repeats: int, n: int) -> None:
     ch = [chat_loops_speed(params) for _ in R]
     side_keys = ("seconds_per_step", "rollout_tokens_per_second", "sampled_tokens_per_completion")
     res = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": machine(),
         "repeats": repeats,
         "problems": n,
         "tools": list(params.agent.tools),
@@ -740,7 +753,7 @@ def reproducibility_cost(repeats: int) -> dict:
         "grpo_step_s": lambda x: x["grpo_seconds_per_step"],
     }
     res: dict = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": machine(),
         "repeats": repeats,
         "kernels": {m: runs[m][0]["state"] for m in runs},
     }
@@ -799,7 +812,7 @@ def main() -> None:
         tools_only(params, a.repeats, a.eval_problems or len(load_jsonl("data/prepared/test.jsonl")))
         return
     res: dict = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": machine(),
         "repeats": a.repeats,
         "repro_repeats": 0 if a.skip_dvc else a.repro_repeats,
     }

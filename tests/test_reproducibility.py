@@ -150,3 +150,60 @@ def test_two_kernel_dispatches_same_bytes_only_when_portable(tmp_path, stages):
     native = [_hashes(tmp_path, f"n{i}", "native", cpu, stages) for i, cpu in enumerate((THIS_CPU, OTHER_CPU))]
     for stage in stages:
         assert native[0][stage] != native[1][stage], (stage, native)
+
+
+COMPARE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare_locks.py")
+
+
+def _lock(tmp_path, name, outs: dict) -> str:
+    import yaml
+
+    stages = {s: {"cmd": "x", "outs": [{"path": p, "md5": m} for p, m in o.items()]} for s, o in outs.items()}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
+    return str(path)
+
+
+def test_compare_locks_decides_on_the_models(tmp_path):
+    """scripts/compare_locks.py (two machines' dvc.lock): exit 0 when every models/ output has the same md5, 1 when
+    one differs or is missing; metrics that differ are listed but only decide with --all; a bad file is named."""
+    a = _lock(tmp_path, "a.lock", {"sft": {"models/sft": "1.dir", "metrics/sft_train.json": "m1"}})
+    same = _lock(tmp_path, "b.lock", {"sft": {"models/sft": "1.dir", "metrics/sft_train.json": "m2"}})
+    other = _lock(tmp_path, "c.lock", {"sft": {"models/sft": "2.dir", "metrics/sft_train.json": "m1"}})
+    missing = _lock(tmp_path, "d.lock", {"sft": {"metrics/sft_train.json": "m1"}})
+
+    def run(*args):
+        return subprocess.run([sys.executable, COMPARE, *args], capture_output=True, text=True)
+
+    r = run(a, same)
+    assert r.returncode == 0 and "DIFFERENT  metrics/sft_train.json" in r.stdout and "1 of 1 model" in r.stdout
+    assert run(a, same, "--all").returncode == 1
+    r = run(a, other)
+    assert r.returncode == 1 and "DIFFERENT  models/sft" in r.stdout, r.stdout
+    r = run(a, missing)
+    assert r.returncode == 1 and "only in A  models/sft" in r.stdout, r.stdout
+    (tmp_path / "bad.lock").write_text("stages: [1, 2]\n")
+    r = run(a, str(tmp_path / "bad.lock"))
+    assert r.returncode and "bad.lock is not a dvc.lock" in r.stderr, r.stderr
+
+
+def test_compare_locks_reads_an_experiments_lock(tmp_path):
+    """`exp:NAME` reads dvc.lock from the DVC experiment's git ref (what `make repro-check` compares); an unknown
+    name is an error naming it."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    lock = _lock(tmp_path, "a.lock", {"sft": {"models/sft": "1.dir"}})
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (repo / "dvc.lock").write_text(open(lock).read())
+    git("add", "dvc.lock")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "exp")
+    git("update-ref", "refs/exps/ab/cdef/repro-check", "HEAD")
+    run = lambda *a: subprocess.run([sys.executable, COMPARE, *a], capture_output=True, text=True, cwd=repo)  # noqa: E731
+    r = run("exp:repro-check", lock)
+    assert r.returncode == 0 and "same  models/sft" in r.stdout, r.stdout + r.stderr
+    r = run("exp:nope", lock)
+    assert r.returncode and "expected one DVC experiment named 'nope', found 0" in r.stderr, r.stderr
