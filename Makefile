@@ -177,16 +177,16 @@ bench-tools: setup ## the tool loop vs plain generate, the decode ceiling and TR
 
 # The cost of reproducibility.mode portable vs native (SFT and GRPO step times, each mode in its own processes,
 # alternating): metrics/bench_reproducibility.json (docs/reproducibility.md)
+.PHONY: bench-repro seeds repro-check
+bench-repro: setup ## the cost of reproducibility.mode portable vs native
+	python scripts/bench.py --reproducibility
+
 # Same bytes on another CPU (issue 23): the default under reproducibility.mode portable as experiment repro-check,
 # its dvc.lock's model md5s against PORTABLE_LOCK (committed from another machine); exit 1 when any model differs.
 PORTABLE_LOCK ?= docs/repro-runs/portable-amd-epyc/dvc.lock
 repro-check: setup ## same bytes as PORTABLE_LOCK? (the default, mode portable)
 	dvc exp run --temp -f --name repro-check -S reproducibility.mode=portable $(DVC_EXP_ARGS)
 	python scripts/compare_locks.py exp:repro-check $(PORTABLE_LOCK)
-
-.PHONY: bench-repro seeds repro-check
-bench-repro: setup ## the cost of reproducibility.mode portable vs native
-	python scripts/bench.py --reproducibility
 
 # The pipeline over N seeds (N=3: seeds 42-44) as DVC experiments seed-K, aggregated into docs/seeds.json,
 # docs/seeds.md and the README's seeds block (mean, sd, min-max per stage; GRPO-SFT per seed and pooled)

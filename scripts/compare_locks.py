@@ -5,10 +5,11 @@
 
 `exp:NAME` reads the dvc.lock of the DVC experiment NAME (its git ref refs/exps/.../NAME).
 
-Prints one line per output (same / DIFFERENT / only in one file) and exits 1 when any output under `models/`
-differs or is missing from one side (the issue-23 check: a fresh clone's run reproduces every model), 0
-otherwise; other outputs (data, predictions, metrics) are reported but do not decide the exit code unless
-`--all` is given. Metrics files hold timings and memory, so they differ between any two runs.
+Prints one line per output (same / DIFFERENT / only in one file) and exits 1 when any model output (under
+`models/`, except the model card) differs or is missing from one side (the issue-23 check: a fresh clone's run
+reproduces every model), 0 otherwise; other outputs (data, predictions, metrics, the card) are reported but do
+not decide the exit code unless `--all` is given. Metrics files hold timings and memory, and the card names the
+git commit it was made from, so those differ between any two runs.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def outputs(source: str) -> dict[str, str]:
     return out
 
 
+NOT_MODELS = ("models/card",)  # under models/ but a document: it names the commit, so it differs between commits
+
+
+def is_model(path: str) -> bool:
+    return path.startswith("models/") and path.rstrip("/") not in NOT_MODELS
+
+
 def compare(a: dict[str, str], b: dict[str, str]) -> list[tuple[str, str]]:
     """[(output path, same | DIFFERENT | only in A | only in B)], sorted by path."""
     rows = []
@@ -82,7 +90,7 @@ def main(argv=None) -> int:
     rows = compare(outputs(args.a), outputs(args.b))
     for p, verdict in rows:
         print(f"{verdict:>10}  {p}")
-    deciding = [(p, v) for p, v in rows if args.all or p.startswith("models/")]
+    deciding = [(p, v) for p, v in rows if args.all or is_model(p)]
     bad = [p for p, v in deciding if v != "same"]
     print(f"{len(deciding) - len(bad)} of {len(deciding)} {'outputs' if args.all else 'model outputs'} identical")
     return 1 if bad or not deciding else 0

@@ -170,9 +170,18 @@ def _lock(tmp_path, name, outs: dict) -> str:
 
 def test_compare_locks_decides_on_the_models(tmp_path):
     """scripts/compare_locks.py (two machines' dvc.lock): exit 0 when every models/ output has the same md5, 1 when
-    one differs or is missing; metrics that differ are listed but only decide with --all; a bad file is named."""
-    a = _lock(tmp_path, "a.lock", {"sft": {"models/sft": "1.dir", "metrics/sft_train.json": "m1"}})
-    same = _lock(tmp_path, "b.lock", {"sft": {"models/sft": "1.dir", "metrics/sft_train.json": "m2"}})
+    one differs or is missing; metrics and the model card that differ are listed but only decide with --all; a bad
+    file is named."""
+    a = _lock(
+        tmp_path,
+        "a.lock",
+        {"sft": {"models/sft": "1.dir", "metrics/sft_train.json": "m1"}, "card": {"models/card": "c1.dir"}},
+    )
+    same = _lock(
+        tmp_path,
+        "b.lock",
+        {"sft": {"models/sft": "1.dir", "metrics/sft_train.json": "m2"}, "card": {"models/card": "c2.dir"}},
+    )
     other = _lock(tmp_path, "c.lock", {"sft": {"models/sft": "2.dir", "metrics/sft_train.json": "m1"}})
     missing = _lock(tmp_path, "d.lock", {"sft": {"metrics/sft_train.json": "m1"}})
 
@@ -181,6 +190,7 @@ def test_compare_locks_decides_on_the_models(tmp_path):
 
     r = run(a, same)
     assert r.returncode == 0 and "DIFFERENT  metrics/sft_train.json" in r.stdout and "1 of 1 model" in r.stdout
+    assert "DIFFERENT  models/card" in r.stdout  # the card names its commit: listed, not a model
     assert run(a, same, "--all").returncode == 1
     r = run(a, other)
     assert r.returncode == 1 and "DIFFERENT  models/sft" in r.stdout, r.stdout
