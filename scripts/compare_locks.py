@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from env_results import exp_ref  # scripts/ is on sys.path when a script runs
+
 
 def read_lock(source: str) -> str:
     """The text of a dvc.lock: a file, or `exp:NAME` (the lock committed in DVC experiment NAME's git ref)."""
@@ -29,14 +31,9 @@ def read_lock(source: str) -> str:
             return Path(source).read_text()
         except OSError as e:
             raise SystemExit(f"compare_locks: cannot read {source}: {e}") from None
-    name = source[len("exp:") :]
-    refs = subprocess.run(
-        ["git", "for-each-ref", "refs/exps", "--format=%(refname)"], capture_output=True, text=True
-    ).stdout.split()
-    found = [r for r in refs if r.rsplit("/", 1)[-1] == name]
-    if len(found) != 1:
-        raise SystemExit(f"compare_locks: {source}: expected one DVC experiment named {name!r}, found {len(found)}")
-    shown = subprocess.run(["git", "show", f"{found[0]}:dvc.lock"], capture_output=True, text=True)
+    shown = subprocess.run(
+        ["git", "show", f"{exp_ref(source[len('exp:') :])}:dvc.lock"], capture_output=True, text=True
+    )
     if shown.returncode:
         raise SystemExit(f"compare_locks: {source}: {shown.stderr.strip()}")
     return shown.stdout
@@ -45,18 +42,17 @@ def read_lock(source: str) -> str:
 def outputs(source: str) -> dict[str, str]:
     """{output path: md5} of every stage's outs in a dvc.lock (see read_lock), or SystemExit naming it and what
     is wrong."""
-    path = source
     try:
         lock = yaml.safe_load(read_lock(source))
     except yaml.YAMLError as e:
-        raise SystemExit(f"compare_locks: cannot read {path}: {e}") from None
+        raise SystemExit(f"compare_locks: cannot read {source}: {e}") from None
     if not isinstance(lock, dict) or not isinstance(lock.get("stages"), dict):
-        raise SystemExit(f"compare_locks: {path} is not a dvc.lock (no 'stages' mapping)")
+        raise SystemExit(f"compare_locks: {source} is not a dvc.lock (no 'stages' mapping)")
     out = {}
     for stage, body in lock["stages"].items():
         for o in (body or {}).get("outs") or []:
             if not isinstance(o, dict) or "path" not in o or "md5" not in o:
-                raise SystemExit(f"compare_locks: {path}: stage {stage!r} has an out without path and md5: {o!r}")
+                raise SystemExit(f"compare_locks: {source}: stage {stage!r} has an out without path and md5: {o!r}")
             out[o["path"]] = o["md5"]
     return out
 
