@@ -50,11 +50,13 @@ lint: setup ## ruff check + ruff format --check (pinned ruff, config in pyprojec
 	ruff check $(LINT_PATHS)
 	ruff format --check $(LINT_PATHS)
 
+# --timeout: a test that hangs fails with its stack after that many seconds (pytest-timeout) instead of holding
+# the whole run (the slowest default test takes ~5 min on 2 cores, the slowest slow one ~12)
 test: setup ## the test suite without the slow end-to-end tests (the README's test command)
-	python -m pytest -m "not slow" $(PYTEST_ARGS)
+	python -m pytest -m "not slow" --timeout=1200 $(PYTEST_ARGS)
 
 test-slow: setup ## the slow end-to-end tests (sweeps, MCP, sharing, multi-node); CI runs them
-	python -m pytest -m "slow and not heavy" $(PYTEST_ARGS)
+	python -m pytest -m "slow and not heavy" --timeout=2400 $(PYTEST_ARGS)
 
 # end-to-end runs of tens of minutes on 2 cores (make seeds on miniature params): not in CI
 test-heavy: setup ## end-to-end runs of tens of minutes (seeds on miniature params); not in CI

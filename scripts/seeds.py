@@ -4,8 +4,8 @@
     python scripts/seeds.py -n 3 [--first 42] [--jobs 1]
 
 Queues `dvc exp run --queue -S seed=K --name seed-K` for K = first .. first+N-1 (default first: params.yaml's
-seed, so the committed run is one of them and comes from DVC's run cache), runs the queue (`dvc exp run
---run-all -j JOBS`; stages whose inputs a seed does not change are reused from the cache), then reads each
+seed, so the committed run is one of them and comes from DVC's run cache), runs the queue with JOBS DVC queue
+workers (`agentrl.exp_queue`; stages whose inputs a seed does not change are reused from the cache), then reads each
 experiment's metrics with `dvc.api` and writes the aggregate:
 
 - docs/seeds.json: per stage (base, sft, grpo, merged, merged_int8) mean, sample sd, min and max of accuracy and
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from agentrl import overrides  # noqa: E402
+from agentrl.exp_queue import dvc, run_queue  # noqa: E402
 
 OUT_JSON = Path("docs/seeds.json")
 OUT_MD = Path("docs/seeds.md")
@@ -54,16 +55,6 @@ COMPARE = "metrics/compare.json"
 COMPARE_DETAILS = "diagnostics/compare.json"  # grpo_vs_sft: only_before_correct / only_after_correct / n
 
 
-def dvc(*args: str, capture: bool = True) -> str:
-    exe = Path(sys.executable).parent / "dvc"  # this interpreter's dvc (the venv's), else the one on PATH
-    cmd = [str(exe) if exe.is_file() else "dvc", *args]
-    print("+ dvc", " ".join(args), flush=True)
-    r = subprocess.run(cmd, text=True, capture_output=capture)
-    if r.returncode:
-        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{(r.stdout or '')[-2000:]}{r.stderr or ''}")
-    return r.stdout or ""
-
-
 def experiment_states() -> dict[str, str]:
     """Experiment name -> state (Success, Queued, Failed, ...) of the experiments on this commit."""
     import dvc.api
@@ -72,7 +63,7 @@ def experiment_states() -> dict[str, str]:
 
 
 def queue_and_run(seeds: list[int], jobs: int) -> None:
-    states = experiment_states()
+    states, queued = experiment_states(), []
     for k in seeds:
         name = f"seed-{k}"
         if states.get(name) == "Success":
@@ -81,7 +72,9 @@ def queue_and_run(seeds: list[int], jobs: int) -> None:
         if name in states:  # failed or left queued by an interrupted run: queue it afresh
             dvc("exp", "remove", name)
         dvc("exp", "run", "--queue", "-S", *overrides.render({"seed": k}, add=False), "--name", name)
-    dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
+        queued.append(name)
+    if queued:
+        run_queue(queued, jobs)
 
 
 def exp_commit(name: str) -> str:

@@ -6,7 +6,7 @@
 grid: one `dvc exp run --queue -S key=v1,v2 ...` (DVC expands the product of the space's `grid:` lists); random /
 optuna: Optuna's RandomSampler / TPESampler draw from the `random:` section, each trial one queued `dvc exp run
 --name <name>-t<N>` (study in SQLite under sweeps/<name>/: an interrupted search resumes). `fixed:` values go to every
-trial. `dvc exp run --run-all -j JOBS` runs the queue in temporary copies (cached prepare/base/sft are reused); the
+trial. JOBS DVC queue workers run the queue in temporary copies (cached prepare/base/sft are reused); the
 best by `dvc.api.exp_show()` goes to sweeps/<name>/best.json with its `dvc exp apply` command, failed trials listed.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from agentrl import overrides
+from agentrl.exp_queue import dvc, run_queue
 
 DISTRIBUTIONS = {  # type -> (required fields, Optuna suggestion)
     "loguniform": (("low", "high"), lambda t, k, d: t.suggest_float(k, d["low"], d["high"], log=True)),
@@ -78,15 +78,6 @@ def load_space(path: str, kind: str) -> dict:
 def set_args(point: dict) -> list[str]:
     """`-S key=value` per key of the point (agentrl.overrides.render: keys params.yaml has, so DVC refuses a typo)."""
     return [a for arg in overrides.render(point, add=False) for a in ("-S", arg)]
-
-
-def dvc(*args: str, capture: bool = True) -> str:
-    cmd = ["dvc", *args]
-    print("+", " ".join(cmd), flush=True)
-    r = subprocess.run(cmd, text=True, capture_output=capture)
-    if r.returncode:
-        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{(r.stdout or '')[-2000:]}{r.stderr or ''}")
-    return r.stdout
 
 
 def results(names: list[str], objective: dict) -> tuple[dict[str, dict], list[str]]:
@@ -147,9 +138,9 @@ def run_grid(name: str, space: dict, jobs: int) -> dict:
     prefix = f"{name}-{int(started)}"  # DVC names the points <prefix>-1 .. -N (just <prefix> when there is one)
     sweeps = [a for arg in overrides.render_grid(space["grid"]) for a in ("-S", arg)]
     dvc("exp", "run", "--queue", "--name", prefix, *set_args(space["fixed"]), *sweeps)
-    dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
     n = math.prod(len(vs) for vs in space["grid"].values())
     names = [prefix] if n == 1 else [f"{prefix}-{i}" for i in range(1, n + 1)]
+    run_queue(names, jobs)
     return finish(name, space, "grid", names, started, n)
 
 
@@ -172,7 +163,7 @@ def run_study(name: str, space: dict, kind: str, trials: int, jobs: int, seed: i
             dvc("exp", "run", "--queue", "--name", f"{name}-t{trial.number}", *set_args(point))
             pending.append(trial.number)
             todo -= 1
-        dvc("exp", "run", "--run-all", "-j", str(jobs), capture=False)
+        run_queue([f"{name}-t{n}" for n in pending], jobs)
         ok, _ = results([f"{name}-t{n}" for n in pending], space["objective"])
         for n in pending:
             row = ok.get(f"{name}-t{n}")

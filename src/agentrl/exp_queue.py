@@ -1,0 +1,80 @@
+"""The DVC experiment queue, run to the end without hanging (scripts/sweep.py and scripts/seeds.py).
+
+`dvc exp run --run-all -j N` starts N queue workers and then waits for each queued task to start. When a worker
+exits while tasks are still queued (DVC 3.x, treeverse/dvc#10398, #10428, #10562: it runs one or two experiments,
+then no worker is left), that wait never ends: a sweep or a CI job hangs until it is killed. `run_queue` does the
+same job with DVC's own queue (`celery_queue.start_workers`, `status`, `worker_status`): it polls the state of the
+named experiments, gives a queued task workers again whenever none is alive (what `dvc queue start` does by hand),
+prints each experiment as it finishes, and stops with an error naming the experiments when a task is left
+running with no worker to run it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WAITING = ("Queued", "Running")
+
+
+def dvc(*args: str, capture: bool = True) -> str:
+    """Run this interpreter's `dvc` (the venv's, else the one on PATH); exit naming the command when it fails."""
+    exe = Path(sys.executable).parent / "dvc"
+    cmd = [str(exe) if exe.is_file() else "dvc", *args]
+    print("+ dvc", " ".join(args), flush=True)
+    r = subprocess.run(cmd, text=True, capture_output=capture)
+    if r.returncode:
+        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{(r.stdout or '')[-2000:]}{r.stderr or ''}")
+    return r.stdout or ""
+
+
+def queue_state(names: list[str]) -> tuple[dict[str, str], int]:
+    """(name -> Queued / Running / Success / Failed / missing, workers alive) for the queued experiments `names`."""
+    from dvc.repo import Repo
+
+    with Repo() as repo:  # opened afresh each time: the workers change the queue
+        q = repo.experiments.celery_queue
+        status = {e["name"]: e["status"] for e in q.status()}
+        workers = len(q.worker_status())
+    return {n: status.get(n, "missing") for n in names}, workers
+
+
+def start_workers(jobs: int) -> int:
+    """Start the queue workers numbered 1..jobs that are not alive; how many were started."""
+    from dvc.repo import Repo
+
+    with Repo() as repo:
+        return repo.experiments.celery_queue.start_workers(jobs)
+
+
+def run_queue(names: list[str], jobs: int, poll: float = 5.0, orphan_grace: float = 120.0) -> dict[str, str]:
+    """Run the queued experiments `names` with up to `jobs` workers; their final states (Success / Failed)."""
+    started = time.time()
+    last: dict[str, str] = {}
+    orphaned_since = None
+    while True:
+        state, workers = queue_state(names)
+        for n, s in state.items():
+            if s != last.get(n):
+                print(f"[queue {time.time() - started:6.0f}s] {n}: {s}", flush=True)
+        last = state
+        waiting = [n for n, s in state.items() if s in WAITING]
+        if not waiting:
+            done = sum(s == "Success" for s in state.values())
+            print(f"queue: {done} of {len(names)} experiments succeeded in {time.time() - started:.0f}s", flush=True)
+            return state
+        if any(s == "Queued" for s in state.values()) and workers < jobs:
+            if n_new := start_workers(jobs):
+                print(f"[queue {time.time() - started:6.0f}s] started {n_new} worker(s)", flush=True)
+        if workers == 0 and not any(s == "Queued" for s in state.values()):
+            orphaned_since = orphaned_since or time.time()
+            if time.time() - orphaned_since > orphan_grace:
+                sys.exit(
+                    f"queue: {waiting} still 'Running' with no queue worker alive for {orphan_grace:.0f}s "
+                    "(the worker died); see `dvc queue logs <name>`, then `dvc queue kill` / `dvc exp remove`"
+                )
+        else:
+            orphaned_since = None
+        time.sleep(poll)

@@ -1,0 +1,80 @@
+"""agentrl.exp_queue: the DVC queue run to the end when its worker exits early (the `dvc exp run --run-all` hang of
+treeverse/dvc#10398 / #10562), and a clear stop when a task is left running with no worker. The queue's states are
+scripted here; tests/test_sweep.py runs the real queue end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl import exp_queue
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Replace DVC's queue with a script of (states, workers alive) polls; record worker starts and the clock."""
+    calls = {"starts": [], "polls": 0}
+    clock = [0.0]
+
+    def install(script, start_result=1):
+        def queue_state(names):
+            i = min(calls["polls"], len(script) - 1)
+            calls["polls"] += 1
+            states, workers = script[i]
+            return {n: states.get(n, "missing") for n in names}, workers
+
+        def start_workers(jobs):
+            calls["starts"].append((calls["polls"], jobs))
+            return start_result
+
+        monkeypatch.setattr(exp_queue, "queue_state", queue_state)
+        monkeypatch.setattr(exp_queue, "start_workers", start_workers)
+        monkeypatch.setattr(exp_queue.time, "time", lambda: clock[0])
+        monkeypatch.setattr(exp_queue.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+        return calls
+
+    return install
+
+
+def test_a_worker_that_exits_with_tasks_queued_is_started_again(scripted, capsys):
+    # a runs and succeeds, then the worker is gone while b is still queued: --run-all waits forever here
+    calls = scripted(
+        [
+            ({"a": "Queued", "b": "Queued"}, 0),
+            ({"a": "Running", "b": "Queued"}, 1),
+            ({"a": "Success", "b": "Queued"}, 0),
+            ({"a": "Success", "b": "Running"}, 1),
+            ({"a": "Success", "b": "Failed"}, 0),
+        ]
+    )
+    final = exp_queue.run_queue(["a", "b"], jobs=1)
+    assert final == {"a": "Success", "b": "Failed"}
+    assert calls["starts"] == [(1, 1), (3, 1)]  # at the first poll and again when b was queued with no worker
+    out = capsys.readouterr().out
+    assert "a: Success" in out and "b: Failed" in out and "1 of 2 experiments succeeded" in out
+
+
+def test_workers_are_topped_up_to_jobs_only_while_a_task_is_queued(scripted):
+    calls = scripted(
+        [
+            ({"a": "Running", "b": "Queued"}, 1),
+            ({"a": "Running", "b": "Running"}, 2),
+            ({"a": "Success", "b": "Success"}, 0),
+        ]
+    )
+    exp_queue.run_queue(["a", "b"], jobs=2)
+    assert calls["starts"] == [(1, 2)]
+
+
+def test_a_task_running_with_no_worker_stops_with_its_name(scripted):
+    scripted([({"a": "Success", "b": "Running"}, 0)])
+    with pytest.raises(SystemExit) as e:
+        exp_queue.run_queue(["a", "b"], jobs=1, poll=5, orphan_grace=60)
+    assert "['b'] still 'Running' with no queue worker alive for 60s" in str(e.value) and "dvc queue logs" in str(
+        e.value
+    )
+
+
+def test_an_unknown_name_is_not_waited_for(scripted):
+    # a name the queue does not know (removed by hand) is reported, not waited on
+    scripted([({"a": "Success"}, 0)])
+    assert exp_queue.run_queue(["a", "gone"], jobs=1) == {"a": "Success", "gone": "missing"}
