@@ -78,3 +78,33 @@ def test_an_unknown_name_is_not_waited_for(scripted):
     # a name the queue does not know (removed by hand) is reported, not waited on
     scripted([({"a": "Success"}, 0)])
     assert exp_queue.run_queue(["a", "gone"], jobs=1) == {"a": "Success", "gone": "missing"}
+
+
+def test_a_state_read_while_a_worker_writes_is_retried_then_given_up(scripted, monkeypatch, capsys):
+    import json
+
+    calls = scripted([({"a": "Success"}, 0)])
+    real, fails = exp_queue.queue_state, [2]
+
+    def flaky(names):
+        if fails[0]:
+            fails[0] -= 1
+            raise json.JSONDecodeError("Expecting value", "", 0)
+        return real(names)
+
+    monkeypatch.setattr(exp_queue, "queue_state", flaky)
+    assert exp_queue.run_queue(["a"], jobs=1) == {"a": "Success"} and calls["polls"] == 1
+    assert capsys.readouterr().out.count("reading the queue's state failed") == 2
+    fails[0] = 5
+    with pytest.raises(SystemExit, match="could not read the queue's state 4 times in a row"):
+        exp_queue.run_queue(["a"], jobs=1, max_read_errors=3)
+
+
+def test_returns_once_the_workers_have_exited_or_after_settle(scripted):
+    # the last worker cleans the queue's files as it exits: whoever reads the experiments next must not race it
+    calls = scripted([({"a": "Success"}, 1), ({"a": "Success"}, 1), ({"a": "Success"}, 0)])
+    exp_queue.run_queue(["a"], jobs=1)
+    assert calls["polls"] == 3 and calls["starts"] == []
+    calls = scripted([({"a": "Success"}, 1)])  # a worker kept busy (by experiments queued by someone else)
+    exp_queue.run_queue(["a"], jobs=1, settle=10)
+    assert calls["polls"] == 12  # polls a second apart until 10 s have passed, then returns

@@ -405,7 +405,9 @@ def start_postgres() -> tuple[str, Callable[[], None]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+# both storages run the same workers; the file journal's real-DVC run (5 min on 2 cores) is heavy, so CI runs the
+# PostgreSQL one (the several-machines case); the journal's locking is tested above without DVC
+@pytest.mark.parametrize("backend", [pytest.param("journal", marks=pytest.mark.heavy), "postgresql"])
 def test_two_clones_one_study_real_dvc(backend, machines, tmp_path):
     """Two clones run one study with real `dvc exp run` trials: 4 trials done, none lost or run twice; worker w2
     is killed in the middle of its second trial, which w1 takes over; a third clone sees every experiment after

@@ -5,8 +5,8 @@ exits while tasks are still queued (DVC 3.x, treeverse/dvc#10398, #10428, #10562
 then no worker is left), that wait never ends: a sweep or a CI job hangs until it is killed. `run_queue` does the
 same job with DVC's own queue (`celery_queue.start_workers`, `status`, `worker_status`): it polls the state of the
 named experiments, gives a queued task workers again whenever none is alive (what `dvc queue start` does by hand),
-prints each experiment as it finishes, and stops with an error naming the experiments when a task is left
-running with no worker to run it.
+prints each experiment as it finishes, retries a poll that read a JSON file while a worker was writing it, and
+stops with an error naming the experiments when a task is left running with no worker to run it.
 """
 
 from __future__ import annotations
@@ -49,26 +49,52 @@ def start_workers(jobs: int) -> int:
         return repo.experiments.celery_queue.start_workers(jobs)
 
 
-def run_queue(names: list[str], jobs: int, poll: float = 5.0, orphan_grace: float = 120.0) -> dict[str, str]:
-    """Run the queued experiments `names` with up to `jobs` workers; their final states (Success / Failed)."""
+def run_queue(
+    names: list[str],
+    jobs: int,
+    poll: float = 5.0,
+    orphan_grace: float = 120.0,
+    max_read_errors: int = 12,
+    settle: float = 60.0,
+) -> dict[str, str]:
+    """Run the queued experiments `names` with up to `jobs` workers; their final states (Success / Failed).
+
+    Reading the state can fail while a worker writes one of the queue's JSON files (a JSONDecodeError, seen in a
+    sweep here): that poll is retried, up to `max_read_errors` times in a row. When every experiment has ended,
+    it waits (up to `settle` seconds) for the workers to exit: the last one cleans the queue's files as it goes,
+    and whatever reads the experiments next (`dvc exp show`) would race it."""
     started = time.time()
     last: dict[str, str] = {}
-    orphaned_since = None
+    orphaned_since = ended_at = None
+    read_errors = 0
     while True:
-        state, workers = queue_state(names)
+        try:
+            state, workers = queue_state(names)
+        except (ValueError, OSError) as e:  # a JSON file the workers were writing while it was read (dvc#10428)
+            read_errors += 1
+            if read_errors > max_read_errors:
+                raise SystemExit(f"queue: could not read the queue's state {read_errors} times in a row: {e!r}") from e
+            print(f"[queue {time.time() - started:6.0f}s] reading the queue's state failed ({e!r}); again", flush=True)
+            time.sleep(poll)
+            continue
+        read_errors = 0
         for n, s in state.items():
             if s != last.get(n):
                 print(f"[queue {time.time() - started:6.0f}s] {n}: {s}", flush=True)
         last = state
         waiting = [n for n, s in state.items() if s in WAITING]
         if not waiting:
-            done = sum(s == "Success" for s in state.values())
-            print(f"queue: {done} of {len(names)} experiments succeeded in {time.time() - started:.0f}s", flush=True)
-            return state
-        if any(s == "Queued" for s in state.values()) and workers < jobs:
+            ended_at = ended_at or time.time()
+            if workers == 0 or time.time() - ended_at > settle:
+                done = sum(s == "Success" for s in state.values())
+                print(
+                    f"queue: {done} of {len(names)} experiments succeeded in {time.time() - started:.0f}s", flush=True
+                )
+                return state
+        elif any(s == "Queued" for s in state.values()) and workers < jobs:
             if n_new := start_workers(jobs):
                 print(f"[queue {time.time() - started:6.0f}s] started {n_new} worker(s)", flush=True)
-        if workers == 0 and not any(s == "Queued" for s in state.values()):
+        if waiting and workers == 0 and not any(s == "Queued" for s in state.values()):
             orphaned_since = orphaned_since or time.time()
             if time.time() - orphaned_since > orphan_grace:
                 sys.exit(
@@ -77,4 +103,4 @@ def run_queue(names: list[str], jobs: int, poll: float = 5.0, orphan_grace: floa
                 )
         else:
             orphaned_since = None
-        time.sleep(poll)
+        time.sleep(poll if waiting else 1.0)
