@@ -12,10 +12,11 @@ from agentrl import exp_queue
 @pytest.fixture
 def scripted(monkeypatch):
     """Replace DVC's queue with a script of (states, workers alive) polls; record worker starts and the clock."""
-    calls = {"starts": [], "polls": 0}
     clock = [0.0]
 
     def install(script, start_result=1):
+        calls = {"starts": [], "polls": 0}  # a fresh record per script
+
         def queue_state(names):
             i = min(calls["polls"], len(script) - 1)
             calls["polls"] += 1
