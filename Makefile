@@ -51,7 +51,7 @@ lint: setup ## ruff check + ruff format --check (pinned ruff, config in pyprojec
 	ruff format --check $(LINT_PATHS)
 
 # --timeout: a test that hangs fails with its stack after that many seconds (pytest-timeout) instead of holding
-# the whole run (the slowest default test takes ~5 min on 2 cores, the slowest slow one ~12)
+# the whole run (the slowest default test takes ~5 min on 2 cores, the slowest slow one ~8 with its set-up)
 test: setup ## the test suite without the slow end-to-end tests (the README's test command)
 	python -m pytest -m "not slow" --timeout=1200 $(PYTEST_ARGS)
 

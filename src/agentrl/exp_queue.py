@@ -64,6 +64,10 @@ def run_queue(
     it waits (up to `settle` seconds) for the workers to exit: the last one cleans the queue's files as it goes,
     and whatever reads the experiments next (`dvc exp show`) would race it."""
     started = time.time()
+
+    def say(line: str) -> None:
+        print(f"[queue {time.time() - started:6.0f}s] {line}", flush=True)
+
     last: dict[str, str] = {}
     orphaned_since = ended_at = None
     read_errors = 0
@@ -74,27 +78,25 @@ def run_queue(
             read_errors += 1
             if read_errors > max_read_errors:
                 raise SystemExit(f"queue: could not read the queue's state {read_errors} times in a row: {e!r}") from e
-            print(f"[queue {time.time() - started:6.0f}s] reading the queue's state failed ({e!r}); again", flush=True)
+            say(f"reading the queue's state failed ({e!r}); again")
             time.sleep(poll)
             continue
         read_errors = 0
         for n, s in state.items():
             if s != last.get(n):
-                print(f"[queue {time.time() - started:6.0f}s] {n}: {s}", flush=True)
+                say(f"{n}: {s}")
         last = state
         waiting = [n for n, s in state.items() if s in WAITING]
+        queued = [n for n, s in state.items() if s == "Queued"]
         if not waiting:
             ended_at = ended_at or time.time()
             if workers == 0 or time.time() - ended_at > settle:
                 done = sum(s == "Success" for s in state.values())
-                print(
-                    f"queue: {done} of {len(names)} experiments succeeded in {time.time() - started:.0f}s", flush=True
-                )
+                say(f"{done} of {len(names)} experiments succeeded")
                 return state
-        elif any(s == "Queued" for s in state.values()) and workers < jobs:
-            if n_new := start_workers(jobs):
-                print(f"[queue {time.time() - started:6.0f}s] started {n_new} worker(s)", flush=True)
-        if waiting and workers == 0 and not any(s == "Queued" for s in state.values()):
+        elif queued and workers < jobs and (n_new := start_workers(jobs)):
+            say(f"started {n_new} worker(s)")
+        if waiting and not queued and workers == 0:
             orphaned_since = orphaned_since or time.time()
             if time.time() - orphaned_since > orphan_grace:
                 sys.exit(
