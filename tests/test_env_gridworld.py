@@ -132,6 +132,68 @@ def test_ceiling_of_rows():
         gw.success_probability(ROW, 1.5, 12)
 
 
+# ----------------------------------------------------------------------------------- the exploring teacher
+def test_safe_moves_stay_on_the_grid_and_out_of_holes():
+    assert gw.safe_moves(GRID, (0, 0)) == ["down", "right"]
+    assert gw.safe_moves(GRID, (0, 1)) == ["down", "left"]  # right is a hole, up the edge
+    assert gw.safe_moves(["SOG"], (0, 0)) == []
+
+
+def test_demo_explore_zero_leaves_the_rows_as_they_were():
+    """The knob's default draws nothing: rows (grids, seeds, demonstrations) are those made without it."""
+    assert make_rows(25, random.Random(8), "train") == make_rows(25, random.Random(8), "train", demo_explore=0.0)
+
+
+def test_exploring_demonstrations_wander_on_the_same_grids_and_slips():
+    plain = make_rows(300, random.Random(9), "test", env_knobs={"view": "local"})
+    wander = make_rows(300, random.Random(9), "test", env_knobs={"view": "local"}, demo_explore=0.4)
+    assert [r["grid"] for r in plain] == [r["grid"] for r in wander]  # the generator's draws are unchanged
+    assert [r["seed"] for r in plain] == [r["seed"] for r in wander]
+    off_policy = moves = 0
+    for row in wander:
+        grid, goal = row["grid"], tuple(row["goal"])
+        dist, pos = gw.distances(grid, goal), tuple(row["start"])
+        for name, obs in CALL.findall(row["answer"]):
+            if obs.startswith("error"):
+                continue
+            assert name in gw.safe_moves(grid, pos)  # the teacher never walks into a hole or the edge on purpose
+            moves += 1
+            off_policy += name != gw.policy(grid, dist, pos)
+            pos = tuple(int(x) for x in obs.split()[:2])
+    # a random safe move is the policy's own move about a third of the time: 0.4 * (1 - ~0.4) of moves differ
+    assert 0.15 < off_policy / moves < 0.35
+    assert sum(len(CALL.findall(r["answer"])) for r in wander) > sum(len(CALL.findall(r["answer"])) for r in plain)
+    again = make_rows(300, random.Random(9), "test", env_knobs={"view": "local"}, demo_explore=0.4)
+    assert again == wander  # same seed, same wandering
+
+
+def test_exploring_teacher_success_probability_matches_the_environment():
+    """`success_probability(..., "demo", demo_explore)` is the exploring teacher's chance, measured by running
+    `demonstrate` through the environment over 4,000 seeds."""
+    env = GridWorld(slip_prob=0.2, max_moves=8)
+    n = 4000
+    reached = 0
+    for seed in range(n):
+        gw.demonstrate({**ROW, "seed": seed}, env, 0.5)
+        reached += env.reached
+    p = gw.success_probability(ROW, 0.2, 8, "demo", 0.5)
+    assert p < gw.success_probability(ROW, 0.2, 8, "demo") - 0.05  # wandering costs on this grid
+    assert abs(reached / n - p) < 4 * (p * (1 - p) / n) ** 0.5
+
+
+def test_ceiling_reads_the_teacher_from_the_generation_knobs():
+    rows = make_rows(30, random.Random(4), "test")
+    plain, wander = gw.ceiling(rows, {}), gw.ceiling(rows, {}, {"demo_explore": 0.4})
+    assert wander["optimal"] == plain["optimal"] and wander["demo_policy"] < plain["demo_policy"]
+    assert wander["demo_policy"] == round(sum(gw.success_probability(r, 0.2, 12, "demo", 0.4) for r in rows) / 30, 4)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 0.95, "0.4", True])
+def test_demo_explore_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="demo_explore must be a number in \\[0, 0.9\\]"):
+        make_rows(1, random.Random(0), "train", demo_explore=bad)
+
+
 # ----------------------------------------------------------------------------------- the move tool
 def test_moves_walls_holes_and_goal_without_slips():
     env = episode(slip_prob=0.0)
@@ -453,7 +515,7 @@ def test_impossible_request_says_what_to_change():
 def test_defaults_are_the_signature_defaults():
     env = GridWorld()
     assert {"slip_prob": env.slip_prob, "max_moves": env.max_moves, "view": env.view} == gw.ENV_DEFAULTS
-    assert set(gw.GEN_DEFAULTS) == {"size", "hole_prob", "min_path"}
+    assert set(gw.GEN_DEFAULTS) == {"size", "hole_prob", "min_path", "demo_explore"}
 
 
 # ----------------------------------------------------------------------------------- TRL shape

@@ -565,6 +565,15 @@ def test_prepare_gridworld_reports_the_test_ceiling(workdir):
     assert m["test_ceiling"] == gridworld.ceiling(test, {"slip_prob": 0.3, "max_moves": 10})
     assert m["test_ceiling"] != gridworld.ceiling(test, {})  # the knobs reach it
 
+    p["environments"]["gridworld"]["demo_explore"] = 0.5  # the teacher's knob reaches the demos and the ceiling
+    m2 = prepare.prepare(validate_params(p))
+    sft = load_jsonl("data/prepared/sft_train.jsonl")
+    knobs = {"slip_prob": 0.3, "max_moves": 10}
+    assert m2["test_ceiling"] == gridworld.ceiling(load_jsonl("data/prepared/test.jsonl"), knobs, {"demo_explore": 0.5})
+    assert m2["test_ceiling"]["demo_policy"] < m["test_ceiling"]["demo_policy"]
+    assert m2["demo_calls_per_example"] > m["demo_calls_per_example"]  # the wandering is in the SFT data
+    assert len(sft) == 20
+
 
 def _params_error(change) -> str:
     from agentrl.config import ParamsError, validate_params

@@ -182,9 +182,9 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
         "demo_calls_per_example": round(sum(calls) / len(calls), 4) if calls else 0.0,
         "demo_failed_try_share": round(sum(c > 1 for c in calls) / len(calls), 4) if calls else 0.0,
     }
-    task, _, _, env = environment_knobs(params)
+    task, _, gen, env = environment_knobs(params)
     if hasattr(task, "ceiling"):  # what any policy can reach on the test rows (gridworld: slips end episodes)
-        metrics["test_ceiling"] = task.ceiling(test, env)
+        metrics["test_ceiling"] = task.ceiling(test, env, gen)
         log.info("environment %s: test ceiling %s", name, metrics["test_ceiling"])
     metrics["peak_rss_mb"] = peak_rss_mb()
     write_metrics(metrics_path, metrics)

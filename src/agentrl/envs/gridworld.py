@@ -14,6 +14,9 @@ two instances never share state. `get_reward()` is 1.0 at the goal, else 0.0.
 `make_rows` generates grids with a path from S to G avoiding holes (BFS, length >= min_path) and demonstrations
 in the inline annotation syntax, `<<right=0 1>> <<down=1 1 slip>> ...`, made by running the env itself with a
 BFS policy that re-plans from the observed position after every move (so slips in the demos show recovery).
+With `demo_explore` > 0 the demonstrator explores: each move is, with that probability, one drawn at random among
+the moves that stay on the grid and out of a hole (a weaker teacher that GRPO can improve on; drawn from a
+generator of the row's seed, so the slips and the rows are those of `demo_explore: 0`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ GEN_DEFAULTS: dict = {
     "size": 4,  # the grid is size x size (2-8)
     "hole_prob": 0.2,  # each cell other than S and G is a hole with this probability (0-0.6)
     "min_path": 4,  # the shortest S->G path avoiding holes has at least this many moves
+    "demo_explore": 0.0,  # share of the demonstrations' moves drawn at random among the safe ones (0-0.9)
 }
 ENV_DEFAULTS: dict = {
     "slip_prob": 0.2,  # a move goes to a random perpendicular direction instead, with this probability
@@ -271,6 +275,15 @@ def policy(grid: list[str], dist: dict, position) -> str:
     return best[1]
 
 
+def safe_moves(grid: list[str], position) -> list[str]:
+    """The moves from `position` that stay on the grid and out of a hole (slips aside), in DIRECTIONS order:
+    what an exploring demonstrator draws from."""
+    r, c = position
+    return [
+        name for name, (dr, dc) in DIRECTIONS.items() if _inside(grid, r + dr, c + dc) and grid[r + dr][c + dc] != "O"
+    ]
+
+
 def solve(grid: list[str], start, goal) -> Optional[list[str]]:
     """A shortest list of moves from start to goal that never enters a hole (no slips), or None if none."""
     dist = distances(grid, goal)
@@ -293,11 +306,13 @@ def success_probability(
     slip_prob: float = ENV_DEFAULTS["slip_prob"],
     max_moves: int = ENV_DEFAULTS["max_moves"],
     policy_name: str = "optimal",
+    demo_explore: float = 0.0,
 ) -> float:
     """The chance, over the slips, that an episode from the row's start reaches the goal within `max_moves` moves:
     `optimal` (the best any policy can do: value iteration over (cell, moves left), the slips as GridWorld.move
     draws them, a wall leaving the agent where it was, a hole ending the episode) or `demo` (the demonstrations'
-    re-planning policy). The ceiling a trained policy can approach on these grids, whatever it learned from."""
+    re-planning policy, which with `demo_explore` > 0 takes a random safe move with that probability). The ceiling
+    a trained policy can approach on these grids, whatever it learned from."""
     if policy_name not in POLICIES:
         raise ValueError(f"gridworld: policy_name must be one of {', '.join(POLICIES)}, got {policy_name!r}")
     GridWorld(slip_prob=slip_prob, max_moves=max_moves)  # the same knob checks as an episode's
@@ -322,24 +337,31 @@ def success_probability(
     for _ in range(max_moves):
         nxt = dict(value)
         for x in live:
-            names = DIRECTIONS if policy_name == "optimal" or x not in dist else (policy(grid, dist, x),)
-            nxt[x] = max(sum(p * value[y] for p, y in outcomes[x, name]) for name in names)
+            q = {name: sum(p * value[y] for p, y in outcomes[x, name]) for name in DIRECTIONS}
+            if policy_name == "optimal" or x not in dist:
+                nxt[x] = max(q.values())
+            else:
+                wander = safe_moves(grid, x)
+                nxt[x] = (1 - demo_explore) * q[policy(grid, dist, x)] + demo_explore * sum(
+                    q[name] for name in wander
+                ) / len(wander)
         if nxt == value:  # holes and the goal absorb: later moves change nothing
             break
         value = nxt
     return value[start]
 
 
-def ceiling(rows: list[dict], env_knobs: Optional[dict] = None) -> dict:
+def ceiling(rows: list[dict], env_knobs: Optional[dict] = None, gen_knobs: Optional[dict] = None) -> dict:
     """How well policies can do on these rows (prepare's metrics, for the test split): the share whose reference
     demonstration reached the goal (`demo_reached`: one draw of the slips, the seeds the rows carry) and the
-    expected success over the slips of the demonstrations' policy (`demo_policy`) and of the best policy
-    (`optimal`), averaged over the rows."""
+    expected success over the slips of the demonstrations' policy (`demo_policy`, exploring as the generation
+    knob `demo_explore` says) and of the best policy (`optimal`), averaged over the rows."""
     k = {**ENV_DEFAULTS, **(env_knobs or {})}
+    explore = _gen_knobs(gen_knobs or {})["demo_explore"]
     n = len(rows) or 1
 
     def mean(name: str) -> float:
-        return round(sum(success_probability(r, k["slip_prob"], k["max_moves"], name) for r in rows) / n, 4)
+        return round(sum(success_probability(r, k["slip_prob"], k["max_moves"], name, explore) for r in rows) / n, 4)
 
     return {
         "demo_reached": round(sum(r["answer"].endswith("#### goal") for r in rows) / n, 4),
@@ -356,6 +378,9 @@ def _gen_knobs(knobs: dict) -> dict:
     k = {**GEN_DEFAULTS, **knobs}
     if not isinstance(k["size"], int) or isinstance(k["size"], bool) or not 2 <= k["size"] <= 8:
         raise ValueError(f"gridworld: size must be an integer in 2..8, got {k['size']!r}")
+    de = k["demo_explore"]
+    if not isinstance(de, (int, float)) or isinstance(de, bool) or not 0 <= de <= 0.9:
+        raise ValueError(f"gridworld: demo_explore must be a number in [0, 0.9], got {de!r}")
     hp = k["hole_prob"]
     if not isinstance(hp, (int, float)) or isinstance(hp, bool) or not 0 <= hp <= 0.6:
         raise ValueError(f"gridworld: hole_prob must be a number in [0, 0.6], got {hp!r}")
@@ -393,14 +418,20 @@ def _random_grid(k: dict, rng: random.Random) -> Optional[tuple[list[str], tuple
     return grid, start, goal
 
 
-def demonstrate(row: dict, env: GridWorld) -> str:
-    """Run the demo policy through `env` from the row's start: the annotated moves and the final line."""
+def demonstrate(row: dict, env: GridWorld, demo_explore: float = 0.0) -> str:
+    """Run the demo policy through `env` from the row's start: the annotated moves and the final line. With
+    `demo_explore` > 0, each move is a random safe one (`safe_moves`) with that probability, drawn from a generator
+    seeded by the row's seed (not the slips' one: the same slips whatever the knob)."""
     env.reset(**row)
-    grid, _, goal, _ = _instance(row)
+    grid, _, goal, seed = _instance(row)
     dist = distances(grid, goal)
+    explore = random.Random(f"demo-explore-{seed}") if demo_explore > 0 else None
     calls = []
     while not env.done and env._moves < env.max_moves:
-        name = policy(grid, dist, env.position)
+        if explore is not None and explore.random() < demo_explore:
+            name = explore.choice(safe_moves(grid, env.position))
+        else:
+            name = policy(grid, dist, env.position)
         calls.append(f"<<{name}={env.move(name)}>>")
     return " ".join(calls) + ("\n#### goal" if env.reached else "\n#### fail")
 
@@ -443,7 +474,7 @@ def make_rows(
         key = instance_key(row)
         if key in seen:
             continue
-        answer = demonstrate(row, env)
+        answer = demonstrate(row, env, k["demo_explore"])
         if split == "train" and not env.reached:
             continue  # the reference policy fell or ran out of moves with this seed: no demo to learn from
         seen.add(key)
