@@ -114,9 +114,10 @@ RECIPE ?= configs/recipes/qwen3-0.6b-gsm8k.yaml
 recipe: setup ## a params recipe (RECIPE=configs/recipes/...) as one validated DVC experiment
 	python scripts/recipe.py run $(RECIPE) -- $(DVC_EXP_ARGS)
 
-# An environment preset (configs/envs/<ENV>.yaml: countdown, countdown-nofeedback, gridworld, calculator-chat) as
-# the named experiment env-<ENV> in a temporary workspace (the workspace's own results stay), then its metrics
-# copied to docs/envs/<ENV>/ (scripts/env_results.py) so the README's environment rows trace to files.
+# An environment preset (configs/envs/<ENV>.yaml: countdown, countdown-nofeedback, gridworld, gridworld-local,
+# gridworld-explore, calculator-chat) as the named experiment env-<ENV> in a temporary workspace (the workspace's
+# own results stay), then its metrics copied to docs/envs/<ENV>/ (scripts/env_results.py) so the README's
+# environment rows trace to files.
 ENV ?= countdown
 .PHONY: env
 env: setup ## an environment preset (ENV=countdown|gridworld|...) as experiment env-ENV
