@@ -16,7 +16,7 @@ in the inline annotation syntax, `<<right=0 1>> <<down=1 1 slip>> ...`, made by 
 BFS policy that re-plans from the observed position after every move (so slips in the demos show recovery).
 With `demo_explore` > 0 the demonstrator explores: each move is, with that probability, one drawn at random among
 the moves that stay on the grid and out of a hole (a weaker teacher that GRPO can improve on; drawn from a
-generator of the row's seed, so the slips and the rows are those of `demo_explore: 0`).
+generator of the row's seed, so the grids, seeds and slips are those of `demo_explore: 0`).
 """
 
 from __future__ import annotations
