@@ -110,6 +110,11 @@ def _instance(row: dict) -> tuple[list[str], tuple[int, int], tuple[int, int], i
     return grid, start, goal, seed
 
 
+def _open(grid: list[str], r: int, c: int) -> bool:
+    """On the grid and not a hole: a cell a move can land on without ending the episode."""
+    return _inside(grid, r, c) and grid[r][c] != "O"
+
+
 def _inside(grid: list[str], r: int, c: int) -> bool:
     return 0 <= r < len(grid) and 0 <= c < len(grid[0])
 
@@ -249,7 +254,7 @@ def distances(grid: list[str], goal: tuple[int, int]) -> dict[tuple[int, int], i
         r, c = queue.popleft()
         for dr, dc in DIRECTIONS.values():
             nxt = (r + dr, c + dc)
-            if _inside(grid, *nxt) and grid[nxt[0]][nxt[1]] != "O":
+            if _open(grid, *nxt):
                 if nxt not in dist:
                     dist[nxt] = dist[(r, c)] + 1
                     queue.append(nxt)
@@ -279,9 +284,7 @@ def safe_moves(grid: list[str], position) -> list[str]:
     """The moves from `position` that stay on the grid and out of a hole (slips aside), in DIRECTIONS order:
     what an exploring demonstrator draws from."""
     r, c = position
-    return [
-        name for name, (dr, dc) in DIRECTIONS.items() if _inside(grid, r + dr, c + dc) and grid[r + dr][c + dc] != "O"
-    ]
+    return [name for name, (dr, dc) in DIRECTIONS.items() if _open(grid, r + dr, c + dc)]
 
 
 def solve(grid: list[str], start, goal) -> Optional[list[str]]:
@@ -332,19 +335,22 @@ def success_probability(
                     (slip_prob / 2, DIRECTIONS[sides[1]]),
                 )
             ]
+    # the demonstrations' moves per cell, (the policy's, the safe ones it may wander to): fixed over the iterations
+    demo = {x: (policy(grid, dist, x), safe_moves(grid, x)) for x in live if x in dist} if policy_name == "demo" else {}
     value = {x: 0.0 for x in cells}  # moves left 0: only the goal counts
     value[goal] = 1.0
+
+    def q(x, name: str) -> float:  # the value of moving `name` from x, one move more than `value` counts
+        return sum(p * value[y] for p, y in outcomes[x, name])
+
     for _ in range(max_moves):
         nxt = dict(value)
         for x in live:
-            q = {name: sum(p * value[y] for p, y in outcomes[x, name]) for name in DIRECTIONS}
-            if policy_name == "optimal" or x not in dist:
-                nxt[x] = max(q.values())
+            if x in demo:
+                best, wander = demo[x]
+                nxt[x] = (1 - demo_explore) * q(x, best) + demo_explore * sum(q(x, n) for n in wander) / len(wander)
             else:
-                wander = safe_moves(grid, x)
-                nxt[x] = (1 - demo_explore) * q[policy(grid, dist, x)] + demo_explore * sum(
-                    q[name] for name in wander
-                ) / len(wander)
+                nxt[x] = max(q(x, name) for name in DIRECTIONS)
         if nxt == value:  # holes and the goal absorb: later moves change nothing
             break
         value = nxt
