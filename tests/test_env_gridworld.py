@@ -514,8 +514,8 @@ def test_impossible_request_says_what_to_change():
 
 def test_defaults_are_the_signature_defaults():
     env = GridWorld()
-    assert {"slip_prob": env.slip_prob, "max_moves": env.max_moves, "view": env.view} == gw.ENV_DEFAULTS
-    assert set(gw.GEN_DEFAULTS) == {"size", "hole_prob", "min_path", "demo_explore"}
+    assert {"slip_prob": env.slip_prob, "max_moves": env.max_moves, "view": env.view, "look": env.look} == gw.ENV_DEFAULTS
+    assert set(gw.GEN_DEFAULTS) == {"size", "hole_prob", "min_path", "demo_explore", "demo_look"}
 
 
 # ----------------------------------------------------------------------------------- TRL shape

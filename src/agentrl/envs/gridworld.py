@@ -7,6 +7,8 @@ and the one tool, `move(direction)`, answers where the agent is now in a few tok
 `1 1 wall` (bumped the edge, position unchanged), `2 2 hole` (episode over, reward 0), `3 3 goal` (reward 1).
 With `view: local` the answer goes on with what lies around the new position, up down left right, `#` past the
 edge: `1 2 slip : . O # G` (the policy can see a hole next to it without finding its row and column in the grid).
+With `look: true` the direction `look` is one more action: it stays put and answers the position and those four
+cells, `1 2 : . O # G`, without using a move or drawing a slip; what it costs is a tool call.
 Observations depend on every earlier action, and a slip must be read and re-planned from. Slips come from a
 `random.Random(row["seed"])` made in `reset` (two draws per move, whatever the moves): same seed, same slips;
 two instances never share state. `get_reward()` is 1.0 at the goal, else 0.0.
@@ -16,7 +18,9 @@ in the inline annotation syntax, `<<right=0 1>> <<down=1 1 slip>> ...`, made by 
 BFS policy that re-plans from the observed position after every move (so slips in the demos show recovery).
 With `demo_explore` > 0 the demonstrator explores: each move is, with that probability, one drawn at random among
 the moves that stay on the grid and out of a hole (a weaker teacher that GRPO can improve on; drawn from a
-generator of the row's seed, so the grids, seeds and slips are those of `demo_explore: 0`).
+generator of the row's seed, so the grids, seeds and slips are those of `demo_explore: 0`). With `demo_look` > 0
+(needs `look: true`) that share of the demonstrations look before every move and the rest never look: the moves,
+grids, seeds and slips are the same either way, only the looks are added.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ GEN_DEFAULTS: dict = {
     "hole_prob": 0.2,  # each cell other than S and G is a hole with this probability (0-0.6)
     "min_path": 4,  # the shortest S->G path avoiding holes has at least this many moves
     "demo_explore": 0.0,  # share of the demonstrations' moves drawn at random among the safe ones (0-0.9)
+    "demo_look": 0.0,  # share of the demonstrations (episodes) that look before every move (0-1; needs look)
 }
 ENV_DEFAULTS: dict = {
     "slip_prob": 0.2,  # a move goes to a random perpendicular direction instead, with this probability
     "max_moves": 12,  # moves per episode; later calls answer "error: no moves left"
     "view": "position",  # a move answers: position ("1 2 slip") | local (and the 4 cells around: "1 2 slip : . O # G")
+    "look": False,  # move("look") stays and answers the position and the 4 cells around ("1 2 : . O # G")
 }
 VIEWS = ("position", "local")
 VIEW_ORDER = ("up", "down", "left", "right")  # the order of the cells a local view lists
@@ -124,7 +130,7 @@ class GridWorld:
     """One gridworld episode per `reset`; the policy moves with `move` and reads where it landed.
 
     Public attributes read after an episode: `turns` (tool calls), `failed_tries` (calls that did not take the
-    agent where it asked without falling: slips, walls, holes, errors), `slips`, `walls`, `position`
+    agent where it asked without falling: slips, walls, holes, errors), `slips`, `walls`, `looks`, `position`
     ([row, column]), `done` and `reached` (at the goal).
     """
 
@@ -133,6 +139,7 @@ class GridWorld:
         slip_prob: float = ENV_DEFAULTS["slip_prob"],
         max_moves: int = ENV_DEFAULTS["max_moves"],
         view: str = ENV_DEFAULTS["view"],
+        look: bool = ENV_DEFAULTS["look"],
     ):
         if not isinstance(slip_prob, (int, float)) or isinstance(slip_prob, bool) or not 0 <= slip_prob <= 1:
             raise ValueError(f"gridworld: slip_prob must be a number in [0, 1], got {slip_prob!r}")
@@ -140,9 +147,12 @@ class GridWorld:
             raise ValueError(f"gridworld: max_moves must be an integer in 1..1000, got {max_moves!r}")
         if view not in VIEWS:
             raise ValueError(f"gridworld: view must be one of {', '.join(VIEWS)}, got {view!r}")
+        if not isinstance(look, bool):
+            raise ValueError(f"gridworld: look must be true or false, got {look!r}")
         self.slip_prob = float(slip_prob)
         self.max_moves = max_moves
         self.view = view
+        self.look = look
         self._grid: Optional[list[str]] = None
         self._goal: Optional[tuple[int, int]] = None
         self._rng: Optional[random.Random] = None
@@ -152,6 +162,7 @@ class GridWorld:
         self.failed_tries = 0
         self.slips = 0
         self.walls = 0
+        self.looks = 0
         self.done = False
         self.reached = False
 
@@ -165,6 +176,7 @@ class GridWorld:
         self.failed_tries = 0
         self.slips = 0
         self.walls = 0
+        self.looks = 0
         self.done = False
         self.reached = False
         return None  # the prompt already shows the grid
@@ -173,11 +185,12 @@ class GridWorld:
         """Move one cell on the grid.
 
         Args:
-            direction: up, down, left or right.
+            direction: up, down, left or right (or look, where the environment allows it: stay and see around).
 
         Returns:
             Where you are now, row and column, and what happened, e.g. "1 2", "1 2 slip", "0 2 wall", "2 2 goal";
-            with the local view then the cells up, down, left and right ('#' past the edge), e.g. "1 2 : . O # G".
+            with the local view (and after look) then the cells up, down, left and right ('#' past the edge),
+            e.g. "1 2 : . O # G".
         """
         self.turns += 1
         if self._grid is None:
@@ -193,10 +206,14 @@ class GridWorld:
         if not isinstance(direction, str):
             self.failed_tries += 1
             return "error: direction must be a string"
-        name = ALIASES.get(direction.strip().lower()) if len(direction) <= MAX_DIRECTION_CHARS else None
+        word = direction.strip().lower() if len(direction) <= MAX_DIRECTION_CHARS else ""
+        if self.look and word == "look":  # stays put: no move used, no slip drawn
+            self.looks += 1
+            return f"{self.position[0]} {self.position[1]}" + self._cells()
+        name = ALIASES.get(word)
         if name is None:
             self.failed_tries += 1
-            return "error: use up down left right"
+            return "error: use up down left right" + (" look" if self.look else "")
         self._moves += 1
         slip_draw, side_draw = self._rng.random(), self._rng.random()  # two draws per move, always
         slipped = slip_draw < self.slip_prob
@@ -224,9 +241,11 @@ class GridWorld:
         return f"{self.position[0]} {self.position[1]}" + "".join(status) + self._surroundings()
 
     def _surroundings(self) -> str:
-        """With view local: " : " and the cells up, down, left and right of the position ('#' past the edge)."""
-        if self.view != "local":
-            return ""
+        """With view local, what a move answers after the position: `_cells()`."""
+        return self._cells() if self.view == "local" else ""
+
+    def _cells(self) -> str:
+        """" : " and the cells up, down, left and right of the position ('#' past the edge)."""
         r, c = self.position
         cells = []
         for name in VIEW_ORDER:
@@ -387,6 +406,9 @@ def _gen_knobs(knobs: dict) -> dict:
     de = k["demo_explore"]
     if not isinstance(de, (int, float)) or isinstance(de, bool) or not 0 <= de <= 0.9:
         raise ValueError(f"gridworld: demo_explore must be a number in [0, 0.9], got {de!r}")
+    dl = k["demo_look"]
+    if not isinstance(dl, (int, float)) or isinstance(dl, bool) or not 0 <= dl <= 1:
+        raise ValueError(f"gridworld: demo_look must be a number in [0, 1], got {dl!r}")
     hp = k["hole_prob"]
     if not isinstance(hp, (int, float)) or isinstance(hp, bool) or not 0 <= hp <= 0.6:
         raise ValueError(f"gridworld: hole_prob must be a number in [0, 0.6], got {hp!r}")
@@ -424,16 +446,23 @@ def _random_grid(k: dict, rng: random.Random) -> Optional[tuple[list[str], tuple
     return grid, start, goal
 
 
-def demonstrate(row: dict, env: GridWorld, demo_explore: float = 0.0) -> str:
+def demonstrate(row: dict, env: GridWorld, demo_explore: float = 0.0, demo_look: float = 0.0) -> str:
     """Run the demo policy through `env` from the row's start: the annotated moves and the final line. With
     `demo_explore` > 0, each move is a random safe one (`safe_moves`) with that probability, drawn from a generator
-    seeded by the row's seed (not the slips' one: the same slips whatever the knob)."""
+    seeded by the row's seed (not the slips' one: the same slips whatever the knob). With `demo_look` > 0, the
+    episode looks before every move with that probability (one draw per episode, from its own generator of the
+    seed); looking changes no move: the grid is in the prompt and the policy already knows it."""
+    if demo_look > 0 and not env.look:
+        raise ValueError("gridworld: demo_look > 0 needs the look action: set environments.gridworld.look: true")
     env.reset(**row)
     grid, _, goal, seed = _instance(row)
     dist = distances(grid, goal)
     explore = random.Random(f"demo-explore-{seed}") if demo_explore > 0 else None
+    looks = demo_look > 0 and random.Random(f"demo-look-{seed}").random() < demo_look
     calls = []
     while not env.done and env._moves < env.max_moves:
+        if looks:
+            calls.append(f"<<look={env.move('look')}>>")
         if explore is not None and explore.random() < demo_explore:
             name = explore.choice(safe_moves(grid, env.position))
         else:
@@ -480,7 +509,7 @@ def make_rows(
         key = instance_key(row)
         if key in seen:
             continue
-        answer = demonstrate(row, env, k["demo_explore"])
+        answer = demonstrate(row, env, k["demo_explore"], k["demo_look"])
         if split == "train" and not env.reached:
             continue  # the reference policy fell or ran out of moves with this seed: no demo to learn from
         seen.add(key)
