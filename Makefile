@@ -115,7 +115,7 @@ recipe: setup ## a params recipe (RECIPE=configs/recipes/...) as one validated D
 	python scripts/recipe.py run $(RECIPE) -- $(DVC_EXP_ARGS)
 
 # An environment preset (configs/envs/<ENV>.yaml: countdown, countdown-nofeedback, gridworld, gridworld-local,
-# gridworld-explore, gridworld-5x5, calculator-chat) as the named experiment env-<ENV> in a temporary workspace
+# gridworld-explore, gridworld-5x5, gridworld-look, calculator-chat) as the named experiment env-<ENV> in a temporary workspace
 # (the workspace's own results stay), then its metrics copied to docs/envs/<ENV>/ (scripts/env_results.py) so the
 # README's environment rows trace to files.
 ENV ?= countdown

@@ -12,6 +12,9 @@ ignored):
 - `walked into a visible hole`: without a slip, into the cell the previous local view showed as `O`;
 - `walked into a hole`: without a slip, into a hole the last observation did not show (position view);
 - `out of moves or stopped`: anything else (the move budget ran out, the policy stopped early, errors).
+
+With the look action (`environments.gridworld.look`) a look counts as the observation before the move that
+follows it, and the episodes that looked at least once are counted apart: how many, and how many of them solved.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ def classify(row: dict) -> str:
     return "walked into a hole"
 
 
+def looks(row: dict) -> int:
+    """The look actions of an episode that the environment answered."""
+    return sum(
+        str(c.get("expression", "")).strip().lower() == "look" and not str(c.get("result", "")).startswith("error")
+        for c in row.get("tool_calls") or []
+    )
+
+
 def read(path: Path) -> list[dict]:
     try:
         return read_predictions(path, ("correct",))
@@ -67,11 +78,20 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     out = {}
     for path in args.predictions:
-        counts = Counter(classify(r) for r in read(path))
+        rows = read(path)
+        counts = Counter(classify(r) for r in rows)
+        looked = [r for r in rows if looks(r)]
         out[str(path)] = {k: counts[k] for k in KINDS}
+        out[str(path)].update(looked=len(looked), looked_solved=sum(bool(r["correct"]) for r in looked))
         print(f"{path} ({sum(counts.values())} episodes)")
         for k in KINDS:
             print(f"  {k:32s} {counts[k]:5d}")
+        if looked:
+            n, solved = len(rows) - len(looked), counts["solved"] - out[str(path)]["looked_solved"]
+            print(
+                f"  looked at least once: {len(looked)} episodes, {out[str(path)]['looked_solved']} solved; "
+                f"never looked: {n}, {solved} solved"
+            )
     return out
 
 

@@ -24,6 +24,12 @@ def episode(row=ROW, **knobs) -> GridWorld:
     return env
 
 
+def around(grid, r, c) -> list[str]:
+    """The cells up, down, left and right of (r, c), '#' past the edge: what a look must answer."""
+    at = [(r - 1, c), (r + 1, c), (r, c - 1), (r, c + 1)]
+    return [grid[x][y] if 0 <= x < len(grid) and 0 <= y < len(grid[0]) else "#" for x, y in at]
+
+
 def bfs_length(grid, start, goal):
     """An independent shortest-path length (None if unreachable)."""
     seen, queue = {tuple(start): 0}, deque([tuple(start)])
@@ -192,6 +198,77 @@ def test_ceiling_reads_the_teacher_from_the_generation_knobs():
 def test_demo_explore_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="demo_explore must be a number in \\[0, 0.9\\]"):
         make_rows(1, random.Random(0), "train", demo_explore=bad)
+
+
+# ----------------------------------------------------------------------------------- look
+def test_look_is_an_error_unless_the_environment_allows_it():
+    env = episode(slip_prob=0.0)
+    assert env.move("look") == "error: use up down left right"
+    assert (env.failed_tries, env.looks, env.position) == (1, 0, [0, 0])
+
+
+def test_look_stays_put_uses_no_move_and_draws_no_slip():
+    """A look answers the position and the four cells around (up down left right, '#' past the edge), as a local
+    view's move does, without moving, without using one of max_moves and without a draw from the slips'
+    generator: the moves around it slip exactly as in an episode without looks."""
+    plain, looking = episode(slip_prob=0.5, max_moves=6), episode(slip_prob=0.5, max_moves=6, look=True)
+    assert looking.move("look") == "0 0 : # . # ."
+    assert looking.move(" LOOK ") == "0 0 : # . # ."
+    for name in ["down", "right", "down", "right", "down", "right"]:
+        answer = plain.move(name)
+        assert looking.move(name) == answer  # position view: the same answer, the same slips
+        if not looking.done and looking._moves < looking.max_moves:
+            assert looking.move("look").split(" : ")[1].split() == around(GRID, *looking.position)
+    assert (looking.slips, looking.walls, looking.failed_tries) == (plain.slips, plain.walls, plain.failed_tries)
+    assert looking._moves == plain._moves and looking.looks >= 2
+    assert looking.move("look").startswith("error:")  # over (or out of moves): a look is refused like a move
+    local = episode(slip_prob=0.0, view="local", look=True)
+    moved = local.move("right")
+    assert local.move("look") == moved  # the same cells a local view's move shows
+
+
+def test_demo_look_zero_leaves_the_rows_as_they_were():
+    knobs = {"env_knobs": {"look": True}}
+    assert make_rows(25, random.Random(8), "train") == make_rows(25, random.Random(8), "train", demo_look=0.0, **knobs)
+
+
+def test_looking_demonstrations_look_before_every_move_and_move_as_before():
+    plain = make_rows(400, random.Random(9), "train")
+    looking = make_rows(400, random.Random(9), "train", env_knobs={"look": True}, demo_look=0.25)
+    assert [r["grid"] for r in plain] == [r["grid"] for r in looking]
+    assert [r["seed"] for r in plain] == [r["seed"] for r in looking]
+    n_looking = 0
+    for p, row in zip(plain, looking):
+        calls = CALL.findall(row["answer"])
+        moves = [c for c in calls if c[0] != "look"]
+        assert moves == CALL.findall(p["answer"])  # the same moves, answers and slips
+        looks = [c for c in calls if c[0] == "look"]
+        if looks:
+            n_looking += 1
+            assert [c[0] for c in calls] == [x for m in moves for x in ("look", m[0])]  # a look before every move
+            for _, obs in looks:
+                position, cells = obs.split(" : ")
+                assert cells.split() == around(row["grid"], *map(int, position.split()))
+    assert 0.18 < n_looking / 400 < 0.32  # one draw per episode, 0.25
+    again = make_rows(400, random.Random(9), "train", env_knobs={"look": True}, demo_look=0.25)
+    assert again == looking  # same seed, same looks
+
+
+def test_demo_look_needs_the_look_action():
+    with pytest.raises(ValueError, match="demo_look > 0 needs the look action: set environments.gridworld.look"):
+        make_rows(1, random.Random(0), "train", demo_look=0.5)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.4", True])
+def test_demo_look_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="demo_look must be a number in \\[0, 1\\]"):
+        make_rows(1, random.Random(0), "train", env_knobs={"look": True}, demo_look=bad)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_look_knob_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="look must be true or false"):
+        GridWorld(look=bad)
 
 
 # ----------------------------------------------------------------------------------- the move tool
@@ -514,7 +591,8 @@ def test_impossible_request_says_what_to_change():
 
 def test_defaults_are_the_signature_defaults():
     env = GridWorld()
-    assert {"slip_prob": env.slip_prob, "max_moves": env.max_moves, "view": env.view, "look": env.look} == gw.ENV_DEFAULTS
+    knobs = {"slip_prob": env.slip_prob, "max_moves": env.max_moves, "view": env.view, "look": env.look}
+    assert knobs == gw.ENV_DEFAULTS
     assert set(gw.GEN_DEFAULTS) == {"size", "hole_prob", "min_path", "demo_explore", "demo_look"}
 
 
@@ -598,3 +676,24 @@ def test_failure_breakdown_script(tmp_path):
     bad.write_text('{"correct": true}\n{"id": 2}\n')
     r = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True, text=True)
     assert r.returncode != 0 and "bad.jsonl:2" in r.stderr
+
+
+def test_failure_breakdown_counts_looks(tmp_path):
+    """A look is the observation before the move after it; episodes that looked are counted apart."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts/gridworld_failures.py"
+    rows = [
+        _played(["S.O", "..G"], ["right", "look", "right"], slip_prob=0.0, look=True),  # the look showed the O
+        _played(["SG"], ["look", "right"], slip_prob=0.0, look=True),
+        _played(["SG"], ["right"], slip_prob=0.0, look=True),
+    ]
+    assert rows[0]["tool_calls"][1]["result"] == "0 1 : # . S O"
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"walked into a visible hole\s+1$", r.stdout, re.M), r.stdout
+    assert "looked at least once: 2 episodes, 1 solved; never looked: 1, 1 solved" in r.stdout

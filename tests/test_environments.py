@@ -574,6 +574,12 @@ def test_prepare_gridworld_reports_the_test_ceiling(workdir):
     assert m2["demo_calls_per_example"] > m["demo_calls_per_example"]  # the wandering is in the SFT data
     assert len(sft) == 20
 
+    p["environments"]["gridworld"].update(demo_explore=0.0, look=True, demo_look=1.0)  # the look knobs reach the demos
+    m3 = prepare.prepare(validate_params(p))
+    sft = load_jsonl("data/prepared/sft_train.jsonl")
+    assert all("<<look=" in r["completion"][0]["content"] for r in sft)
+    assert m3["test_ceiling"] == m["test_ceiling"]  # looking changes no move: the teacher's chances are the same
+
 
 def _params_error(change) -> str:
     from agentrl.config import ParamsError, validate_params
