@@ -245,7 +245,7 @@ class GridWorld:
         return self._cells() if self.view == "local" else ""
 
     def _cells(self) -> str:
-        """ " : " and the cells up, down, left and right of the position ('#' past the edge)."""
+        """The separator " : " and the cells up, down, left and right of the position ('#' past the edge)."""
         r, c = self.position
         cells = []
         for name in VIEW_ORDER:
