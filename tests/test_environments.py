@@ -393,6 +393,7 @@ def test_sft_features_equal_the_loop_tokens_for_the_same_demo(tiny, name, fmt):
             assert roll.prompt_ids == t["prompt_ids"]
             assert roll.completion_ids == t["completion_ids"] and roll.env_mask == t["env_mask"]
             assert f["input_ids"] == roll.prompt_ids + roll.completion_ids
+            assert f["tool_calls"] == len(roll.calls) == r["answer"].count("<<")
             assert f["completion_mask"] == [0] * len(roll.prompt_ids) + roll.env_mask
             assert roll.finish_reason == "stop" and len(roll.calls) == r["answer"].count("<<")
             assert all(c["ok"] for c in roll.calls)
@@ -638,6 +639,22 @@ def test_sft_check_lengths_names_the_key_when_nothing_fits():
         check_lengths(feats, validate_params(p))
     p["sft"]["trainer"]["max_length"] = 11
     check_lengths(feats, validate_params(p))  # one completion token fits: trainable
+
+
+def test_sft_check_calls_warns_when_demonstrations_outrun_max_tool_calls():
+    """A demonstration with more calls than agent.max_tool_calls is one the loop would cut off: the warning names the
+    count, the row, the file and the value to raise the key to; within the limit it says nothing."""
+    from agentrl.config import validate_params
+    from agentrl.sft import check_calls
+
+    p = mini_params()
+    p["agent"]["max_tool_calls"] = 4
+    rows = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    msg = check_calls([3, 6, 5], rows, validate_params(p))
+    assert msg is not None
+    assert "2 of 3 demonstrations" in msg and "agent.max_tool_calls=4" in msg
+    assert "most: 6, row b" in msg and "Raise agent.max_tool_calls to 6" in msg and "sft_train.jsonl" in msg
+    assert check_calls([3, 4, 0], rows, validate_params(p)) is None
 
 
 def test_a_served_prompt_resets_an_environment_from_its_user_turn():

@@ -552,4 +552,5 @@ def sft_features(tokenizer, prompt, completion: str, toolset: Optional[Toolset],
     return {
         "input_ids": t["prompt_ids"] + t["completion_ids"],
         "completion_mask": [0] * len(t["prompt_ids"]) + t["env_mask"],
+        "tool_calls": sum(not model_text for _, model_text in segments),  # sft.check_calls; not a training column
     }

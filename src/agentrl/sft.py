@@ -8,6 +8,8 @@ to models/sft/ plus metrics/sft_train.json.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from . import stage
 from .agent import sft_features
 from .common import file_digest, get_logger, model_files_digest, resolve_precision, torch_dtype
@@ -38,6 +40,7 @@ def dataset(tok, params: Params):
         raise ValueError(f"{DATA}: no training examples")
     feats = [sft_features(tok, r["prompt"], r["completion"][0]["content"], toolset, r) for r in rows]
     check_lengths(feats, params)
+    check_calls([f.pop("tool_calls") for f in feats], rows, params)
     return Dataset.from_list(feats)
 
 
@@ -66,6 +69,24 @@ def check_lengths(feats: list[dict], params: Params) -> None:
             len(feats) - trainable,
             len(feats),
         )
+
+
+def check_calls(calls: list[int], rows: list[dict], params: Params) -> Optional[str]:
+    """Warn (and return the warning) when demonstrations make more tool calls than agent.max_tool_calls: the loop
+    ends a completion at that many calls in evaluation, GRPO and serving, so SFT would teach episodes the policy
+    is never let finish (a gridworld with `demo_look` looks before every move: twice the calls)."""
+    limit = params.agent.max_tool_calls
+    over = [(n, r.get("id", i)) for i, (n, r) in enumerate(zip(calls, rows)) if n > limit]
+    if not over:
+        return None
+    most, row = max(over, key=lambda o: o[0])
+    msg = (
+        f"{len(over)} of {len(calls)} demonstrations in {DATA} make more than agent.max_tool_calls={limit} tool "
+        f"calls (most: {most}, row {row}); evaluation, GRPO and the server end a completion at {limit} calls. "
+        f"Raise agent.max_tool_calls to {max(calls)} to let the policy finish what it is taught"
+    )
+    log.warning(msg)
+    return msg
 
 
 def train(params: Params) -> dict:
