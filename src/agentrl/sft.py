@@ -83,7 +83,7 @@ def check_calls(calls: list[int], rows: list[dict], params: Params) -> Optional[
     msg = (
         f"{len(over)} of {len(calls)} demonstrations in {DATA} make more than agent.max_tool_calls={limit} tool "
         f"calls (most: {most}, row {row}); evaluation, GRPO and the server end a completion at {limit} calls. "
-        f"Raise agent.max_tool_calls to {max(calls)} to let the policy finish what it is taught"
+        f"Raise agent.max_tool_calls to {most} to let the policy finish what it is taught"
     )
     log.warning(msg)
     return msg
