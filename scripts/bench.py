@@ -10,6 +10,7 @@ batch), eval speed-up >= 10 (batched vs one problem at a time, on the SFT and GR
 <= 5 s, full repro <= 900 s.
 
     python scripts/bench.py [--repeats 3] [--repro-repeats 3] [--skip-dvc]
+    python scripts/bench.py --merged-rollouts 8    # what grpo.merged_rollouts saves (8 steps per side)
 """
 
 from __future__ import annotations
@@ -292,9 +293,11 @@ def eval_speed(params, n: int, stage: str) -> dict:
     return out
 
 
-def grpo_step_stats(params, steps: int = 12) -> dict:
+def grpo_step_stats(params, steps: int = 12, alternate_merged: bool = False) -> dict:
     """A short GRPOTrainer run with params.yaml's grpo config: seconds per optimizer step, share of it
-    spent generating, rollout tokens/s (steps 3..steps; nothing written to the workspace)."""
+    spent generating, rollout tokens/s (steps 3..steps; nothing written to the workspace). `alternate_merged`:
+    the rollouts of odd steps sample from the LoRA merged into a plain copy (grpo.merged_rollouts), of even
+    steps from the PEFT model, and the figures come per side (`merged`, `adapter`)."""
     from datasets import load_dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -308,16 +311,22 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
     ds = load_dataset("json", data_files=grpo.DATA, split="train")
     step_t: list[float] = []
     gen_per_step: list[float] = []
+    tokens_per_step: list[int] = []
+    merged_steps: list[bool] = []
 
     class Timer(TrainerCallback):
         rollout = None  # grpo.ToolRollout, which times itself
 
-        def on_step_begin(self, *a, **k):
-            self.t, self.g = time.perf_counter(), self.rollout.seconds
+        def on_step_begin(self, args, state, control, **k):
+            if alternate_merged:
+                self.rollout.merged = state.global_step % 2 == 1
+            self.t, self.g, self.n = time.perf_counter(), self.rollout.seconds, self.rollout.tokens
 
         def on_step_end(self, *a, **k):
             step_t.append(time.perf_counter() - self.t)
             gen_per_step.append(self.rollout.seconds - self.g)
+            tokens_per_step.append(self.rollout.tokens - self.n)
+            merged_steps.append(self.rollout.merged)
 
     with tempfile.TemporaryDirectory() as tmp:
         args = grpo.grpo_config(params, output_dir=tmp, report_to="none")
@@ -340,6 +349,25 @@ def grpo_step_stats(params, steps: int = 12) -> dict:
         )
         trainer.train()
     k = 2  # warm-up steps left out
+    if alternate_merged:
+        sides = {
+            name: [i for i in range(k, len(step_t)) if merged_steps[i] == flag]
+            for name, flag in (("merged", True), ("adapter", False))
+        }
+        out = {
+            name: {
+                "steps": len(idx),
+                "seconds_per_step": statistics.median(step_t[i] for i in idx),
+                "generation_seconds_per_step": statistics.median(gen_per_step[i] for i in idx),
+                "rollout_tokens_per_second": sum(tokens_per_step[i] for i in idx) / sum(gen_per_step[i] for i in idx),
+            }
+            for name, idx in sides.items()
+        }
+        out["rollout_tokens_per_second_ratio"] = (
+            out["merged"]["rollout_tokens_per_second"] / out["adapter"]["rollout_tokens_per_second"]
+        )
+        out["seconds_per_step_ratio"] = out["adapter"]["seconds_per_step"] / out["merged"]["seconds_per_step"]
+        return out
     gen = sum(gen_per_step[k:])
     return {
         "seconds_per_step": statistics.median(step_t[k:]),
@@ -685,6 +713,38 @@ def tools_only(params, repeats: int, n: int) -> None:
     print("\n".join(lines))
 
 
+def merged_rollouts_cost(params, repeats: int, steps: int) -> dict:
+    """`--merged-rollouts`: what grpo.merged_rollouts saves, on the workspace's params and models. One GRPOTrainer
+    run per repeat whose steps alternate between sampling from the PEFT model and from the merged copy (the same
+    machine state for both sides), `steps` steps after 2 warm-up ones -> metrics/bench_merged_rollouts.json."""
+    if not params.grpo.use_lora:
+        raise SystemExit("bench --merged-rollouts: needs grpo.use_lora: true (there is no LoRA to merge)")
+    runs = [grpo_step_stats(params, steps + 2, alternate_merged=True) for _ in range(repeats)]
+    res = {
+        "machine": machine(),
+        "repeats": repeats,
+        "steps_per_side": runs[0]["merged"]["steps"],
+        "agent": {"environment": params.agent.environment, "tools": list(params.agent.tools)},
+        "completions_per_step": params.grpo.trainer["per_device_train_batch_size"],
+        "threads": torch.get_num_threads(),
+        **{
+            side: {k: stats([r[side][k] for r in runs]) for k in runs[0][side] if k != "steps"}
+            for side in ("merged", "adapter")
+        },
+        **{k: stats([r[k] for r in runs]) for k in ("rollout_tokens_per_second_ratio", "seconds_per_step_ratio")},
+    }
+    write_json("metrics/bench_merged_rollouts.json", res)
+    r, t = res["rollout_tokens_per_second_ratio"], res["seconds_per_step_ratio"]
+    print(
+        f"grpo.merged_rollouts on {res['machine']} ({res['threads']} threads, {res['repeats']} runs of "
+        f"{res['steps_per_side']} steps per side, medians (min-max)):\n"
+        f"  rollout tokens/s merged / adapter: {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})\n"
+        f"  GRPO step seconds adapter / merged: {t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f})\n"
+        "  -> metrics/bench_merged_rollouts.json"
+    )
+    return res
+
+
 def reproducibility_child(mode: str) -> None:
     """One side of `--reproducibility` in its own process (the kernels are fixed per process), in the scratch
     directory the parent prepared: SFT and GRPO step times under reproducibility.mode `mode`, one JSON line."""
@@ -797,6 +857,13 @@ def main() -> None:
         help="only the cost of reproducibility.mode portable vs native (SFT and GRPO step times): "
         "metrics/bench_reproducibility.json",
     )
+    ap.add_argument(
+        "--merged-rollouts",
+        type=int,
+        metavar="STEPS",
+        help="only what grpo.merged_rollouts saves: GRPO steps alternating between sampling from the PEFT model and "
+        "from the LoRA merged into a plain copy, STEPS per side: metrics/bench_merged_rollouts.json",
+    )
     ap.add_argument("--reproducibility-child", choices=["native", "portable"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
@@ -807,6 +874,9 @@ def main() -> None:
         reproducibility_cost(a.repeats)
         return
     params = load_params()
+    if a.merged_rollouts:
+        merged_rollouts_cost(params, a.repeats, 2 * a.merged_rollouts)
+        return
     R = range(a.repeats)
     if a.tools_only:
         tools_only(params, a.repeats, a.eval_problems or len(load_jsonl("data/prepared/test.jsonl")))

@@ -339,6 +339,138 @@ def test_tool_rollout_renders_the_chat_prompt_with_its_tools(tiny):
         tok.chat_template = saved
 
 
+def _rollout_trainer(model, tok, temperature=1.0, completion_length=4):
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    return SimpleNamespace(
+        model_wrapped=model, accelerator=Accelerator(cpu=True), processing_class=tok,
+        max_completion_length=completion_length, temperature=temperature, top_p=1.0, top_k=0, min_p=None,
+        repetition_penalty=None,
+        args=SimpleNamespace(ds3_gather_for_generation=True, gradient_checkpointing_kwargs=None),
+    )  # fmt: skip
+
+
+def test_merged_policy_is_the_adapter_merged_and_follows_its_training(tiny):
+    """grpo.merged_policy (grpo.merged_rollouts): the plain copy's logits are the PEFT model's (not the base
+    model's); it computes on its own weights (a change to the adapter does not reach it until a refresh, also with
+    TRL's fused LM head patched onto the model as GRPOTrainer does, whose forward closes over the original's); after
+    the adapter changes (a training step) a refresh follows it, while the PEFT model's frozen base weights keep their
+    exact bytes (no merge/unmerge round trip)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    from agentrl.grpo import merged_policy
+
+    tok, model, _ = tiny
+    patched = copy.deepcopy(model)
+    add_fused_lm_head(patched)  # as GRPOTrainer does before it wraps the model with PEFT
+    assert "forward" in patched.__dict__
+    peft = get_peft_model(patched, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    base = {n: p.detach().clone() for n, p in peft.named_parameters() if "lora_" not in n}
+    torch.manual_seed(0)
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2)
+    x = torch.tensor([tok("12 3 4 target 9", add_special_tokens=False)["input_ids"]])
+    peft.eval()
+    with torch.no_grad():
+        plain = merged_policy(peft)
+        want, got, bare = peft(x).logits, plain(x).logits, model(x).logits
+        assert not hasattr(plain, "peft_config") and (want - bare).abs().max() > 1e-2  # the adapter matters here
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-1.5)
+        assert torch.equal(plain(x).logits, got)  # its own weights: the adapter's change waits for the refresh
+        again = merged_policy(peft, plain)
+        assert again is plain
+        torch.testing.assert_close(plain(x).logits, peft(x).logits, atol=1e-4, rtol=1e-4)
+        assert (plain(x).logits - got).abs().max() > 1e-2
+    assert all(torch.equal(p, base[n]) for n, p in peft.named_parameters() if "lora_" not in n)
+
+
+def test_merged_rollouts_sample_what_the_adapter_samples(tiny):
+    """ToolRollout(merged=True) generates from the merged copy: countdown episodes sampled with the same seed have
+    the PEFT model's completion ids and env_mask, which are not the base model's (the adapter changes what is
+    sampled)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.grpo import ToolRollout
+
+    tok, model, _ = tiny
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(1)
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2)
+    ts = make_toolset(None, "inline", max_calls=3, environment="countdown", eos_token=tok.eos_token)
+    rows = env_rows("countdown", 4, seed=5)
+    prompts = [prompt_of(r["question"]) for r in rows]
+    rows = [{**r, "prompt": p} for r, p in zip(rows, prompts)]
+
+    def sample(rollout, m):
+        torch.manual_seed(7)
+        return rollout(prompts, _rollout_trainer(m, tok, 1.0, 24))
+
+    adapter, bare = sample(ToolRollout(ts, rows), peft), sample(ToolRollout(ts, rows), model)
+    merged = ToolRollout(ts, rows, merged=True)
+    out = sample(merged, peft)
+    assert merged.plain is not None and not hasattr(merged.plain, "peft_config")
+    assert out["completion_ids"] == adapter["completion_ids"] != bare["completion_ids"]
+    assert out["env_mask"] == adapter["env_mask"]
+
+
+@pytest.mark.parametrize(
+    "extra, stale",
+    [({"use_dora": True}, "lora_magnitude_vector"), ({"modules_to_save": ["lm_head"]}, "modules_to_save")],
+)
+def test_merged_policy_refuses_what_its_refresh_would_leave_stale(tiny, extra, stale):
+    """The refresh recomputes base + B A: a LoRA that also trains other parameters (DoRA's magnitudes, a
+    modules_to_save copy) is refused by name instead of generating from stale weights."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.grpo import BatchConfigError, merged_policy
+
+    _, model, _ = tiny
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **extra))
+    with pytest.raises(BatchConfigError, match=f"merged_rollouts.*{stale}.*merged_rollouts: false"):
+        merged_policy(peft)
+
+
+def test_merged_rollouts_are_refused_where_they_would_not_run(monkeypatch):
+    """grpo.merged_rollouts needs a LoRA, and the project's loop: TRL's own loop (agent.format chat with an
+    environment) and vLLM generate without it, so the knob is refused there rather than ignored."""
+    from types import SimpleNamespace
+
+    from agentrl.config import ParamsError, validate_params
+    from agentrl.grpo import BatchConfigError, ToolRollout, rollout_plan
+    from conftest import raw_params
+
+    p = raw_params()
+    p["grpo"].update(use_lora=False, merged_rollouts=True)
+    with pytest.raises(ParamsError, match="merged_rollouts.*use_lora"):
+        validate_params(p)
+    tok = SimpleNamespace(eos_token="<|im_end|>")
+    p = raw_params()
+    p["grpo"]["merged_rollouts"] = True
+    p["agent"].update(tools=[], environment="countdown", format="chat")
+    with pytest.raises(BatchConfigError, match="merged_rollouts.*TRL's own loop"):
+        rollout_plan(validate_params(p), SimpleNamespace(use_vllm=False), tok)
+    p["agent"].update(environment=None, format="inline")
+    with pytest.raises(BatchConfigError, match="merged_rollouts.*vLLM"):
+        rollout_plan(validate_params(p), SimpleNamespace(use_vllm=True), tok)
+    rollout, factory = rollout_plan(validate_params(p), SimpleNamespace(use_vllm=False), tok)
+    assert isinstance(rollout, ToolRollout) and rollout.merged and factory is None
+
+
 # ----------------------------------------------------------------------------------- 4. integration
 class Ids(LogitsProcessor):
     """Forces each row to write `expected[k]` (prompt k identified by its ids); tool tokens come from the loop, so any

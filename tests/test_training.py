@@ -268,10 +268,12 @@ def record_tool_use(completions, tool_calls, tool_errors, **kwargs):
     return [0.1 * c for c in tool_calls]
 
 
-def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, monkeypatch):
+@pytest.mark.parametrize("merged_rollouts", [False, True])
+def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, monkeypatch, merged_rollouts):
     """GRPO through the tool loop: rollouts that call the calculator (forced here: a 6-step SFT model does
     not call yet) reach the trainer with env_mask 0 on the tool's tokens, the reward functions receive the
-    tool counts, tool use is logged, and the adapter changes."""
+    tool counts, tool use is logged, and the adapter changes. grpo.merged_rollouts: the loop samples from a plain
+    (non-PEFT) model, the adapter's PEFT model otherwise."""
     from transformers import LogitsProcessorList
 
     from agentrl import agent, grpo
@@ -283,12 +285,15 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
     p = mini_params()
     p["grpo"]["trainer"].update(max_steps=2, max_completion_length=24)
     p["grpo"]["rewards"] = {"accuracy": 1.0, "length_penalty": 1.0, "test_training:record_tool_use": 1.0}
+    p["grpo"]["merged_rollouts"] = merged_rollouts
     params = validate_params(p)
     tok = load_tokenizer("models/sft")
     real = agent.generate_with_tools
-    seen_masks = []
+    seen_masks, sampled_from_peft = [], []
 
     def forced(model, tokenizer, prompts, toolset, *a, **kw):
+        # the merged copy computes with its class forward, not a patched one (TRL fused LM head: the PEFT model)
+        sampled_from_peft.append(hasattr(model, "peft_config") or "forward" in model.__dict__)
         out = real(
             model, tokenizer, prompts, toolset, *a, logits_processor=LogitsProcessorList([ForceCalls(tok)]), **kw
         )
@@ -302,6 +307,7 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
     assert m["steps"] == 2 and m["tool_use_rate_first"] == 1.0 and m["tool_error_rate_last"] == 0.0
     assert m["generation_seconds"] > 0 and m["rollout_tokens_per_second"] > 0
     assert seen_masks and all(calls for _, _, calls in seen_masks)
+    assert sampled_from_peft == [not merged_rollouts] * 2  # one rollout batch per step
     for ids, mask, calls in seen_masks:
         inserted = [t for t, k in zip(ids, mask) if k == 0]
         want = sum((tok(f"{c['result']}>>", add_special_tokens=False)["input_ids"] for c in calls), [])
@@ -314,6 +320,21 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
     assert [k for k, v in before.items() if not torch.equal(v, after[k])], "GRPO did not change any weight"
     rows = (trained["dir"] / "dvclive/grpo/plots/metrics/tools/tool_use_rate.tsv").read_text().splitlines()[1:]
     assert rows and float(rows[0].split("\t")[-1]) == 1.0
+
+
+def test_bench_merged_rollouts_alternates_the_two_samplers(trained, monkeypatch):
+    """scripts/bench.py --merged-rollouts: after 2 warm-up steps, GRPO steps alternate between the PEFT model and the
+    merged copy (odd steps merged), and each side's figures come from its own steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench
+
+    monkeypatch.chdir(trained["dir"])
+    r = bench.grpo_step_stats(trained["params"], steps=6, alternate_merged=True)
+    assert r["merged"]["steps"] == r["adapter"]["steps"] == 2
+    for side in ("merged", "adapter"):
+        assert r[side]["seconds_per_step"] >= r[side]["generation_seconds_per_step"] > 0
+    want = r["merged"]["rollout_tokens_per_second"] / r["adapter"]["rollout_tokens_per_second"]
+    assert r["rollout_tokens_per_second_ratio"] == pytest.approx(want) and want > 0
 
 
 def test_bench_grpo_steps_reset_each_episode_with_its_row(trained, monkeypatch):

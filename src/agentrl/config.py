@@ -161,6 +161,7 @@ class RewardKwargs(Strict):
 class GRPOParams(Strict):
     use_lora: bool
     lora: dict[str, Any]  # -> peft.LoraConfig(**lora)
+    merged_rollouts: StrictBool  # the tool loop samples from a plain copy with the LoRA merged in (grpo.ToolRollout)
     trainer: dict[str, Any]  # -> trl.GRPOConfig(**trainer) plus the derived values (DERIVED)
     rewards: dict[str, float]  # name (or module:function) -> weight; the weights become GRPOConfig.reward_weights
     reward_kwargs: RewardKwargs
@@ -176,6 +177,12 @@ class GRPOParams(Strict):
             if abs(w) > MAX_WEIGHT:
                 raise ValueError(f"weight of '{name}' must be in [-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}], got {w!r}")
         return v
+
+    @model_validator(mode="after")
+    def _merged_rollouts(self) -> "GRPOParams":
+        if self.merged_rollouts and not self.use_lora:
+            raise ValueError("merged_rollouts: true merges the GRPO LoRA for generation; it needs use_lora: true")
+        return self
 
 
 class EvalParams(Strict):

@@ -103,10 +103,14 @@ class ToolRollout:
     prompt and completion ids, `env_mask` (0 on tool-inserted tokens: TRL turns it into the tool_mask that
     keeps them out of the loss) and the tool calls/errors, which reach reward functions as keyword arguments
     `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py) and
-    the tool-use curves (agent.tool_stats per batch of rollouts) until the trainer logs them (pop_curves)."""
+    the tool-use curves (agent.tool_stats per batch of rollouts) until the trainer logs them (pop_curves).
+    `merged` (grpo.merged_rollouts): generation runs on a plain copy of the policy whose weights are the LoRA's
+    merged in (merged_policy), not on the PEFT model."""
 
-    def __init__(self, toolset, rows: Optional[list[dict]] = None):
+    def __init__(self, toolset, rows: Optional[list[dict]] = None, merged: bool = False):
         self.toolset = toolset
+        self.merged = merged
+        self.plain = None  # the merged copy, made on the first rollout and refreshed on every one
         # TRL hands a rollout_func the prompts only: each prompt's dataset row (what its environment episode is
         # reset with) is looked up by the prompt itself
         self.rows = {prompt_key(r["prompt"]): r for r in rows or []}
@@ -143,6 +147,20 @@ class ToolRollout:
             ) as model,
             torch.no_grad(),
         ):
+            if self.merged:
+                if getattr(trainer, "is_fsdp_enabled", False) or (
+                    getattr(trainer, "is_deepspeed_enabled", False)
+                    and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+                ):
+                    raise BatchConfigError(
+                        "grpo.merged_rollouts copies the whole policy on each process; with sharded weights "
+                        "(DeepSpeed ZeRO-3, FSDP) set it to false"
+                    )
+                if self.plain is None:
+                    log.info(
+                        "rollouts sample from a plain copy of the policy with the LoRA merged in (grpo.merged_rollouts)"
+                    )
+                model = self.plain = merged_policy(model, self.plain)
             rolls = [
                 r[0]
                 for r in generate_with_tools(
@@ -183,6 +201,51 @@ class ToolRollout:
         }
 
 
+def merged_policy(model, plain=None):
+    """A plain (non-PEFT) model whose weights are `model`'s with its active LoRA adapters merged in: each
+    adapted Linear gets base weight + PEFT's own get_delta_weight (scaling included), which is what
+    merge_and_unload computes. `plain`, the copy an earlier call returned, is refreshed in place (the adapter
+    trains between rollouts; the base weights are frozen, and they are never modified, unlike merge_adapter +
+    unmerge_adapter, whose round trip drifts by float rounding). The first call deep-copies the model and gives the
+    copy its class's forward; it refuses a model that trains anything besides LoRA A/B weights, which the refresh
+    would leave stale."""
+    import copy
+    import re
+
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    if plain is None:
+        stale = [
+            n
+            for n, p in model.named_parameters()
+            if p.requires_grad and not re.search(r"\.lora_[AB]\.[^.]+\.weight$", n)
+        ]
+        if stale:
+            raise BatchConfigError(
+                "grpo.merged_rollouts refreshes the merged copy from the LoRA A/B weights only; these trained "
+                f"parameters would go stale in it: {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''} "
+                "(DoRA magnitudes, modules_to_save, LoRA biases, trainable tokens): set merged_rollouts: false"
+            )
+        plain = copy.deepcopy(model).merge_and_unload()
+        # a forward patched onto an instance is dropped: the copy computes with its class's own. TRL's fused LM head
+        # (GRPOTrainer patches it on) closes over the original model's bound forward, so a copy that kept it would
+        # still run the original, adapter and all
+        for m in plain.modules():
+            m.__dict__.pop("forward", None)
+        plain.eval()
+    targets = dict(plain.named_modules())
+    with torch.no_grad():
+        for name, mod in model.get_base_model().named_modules():
+            if isinstance(mod, LoraLayer):
+                w = mod.get_base_layer().weight.detach().clone()
+                for a in mod.active_adapters:
+                    if a in mod.lora_A:
+                        w += mod.get_delta_weight(a)
+                targets[name].weight.copy_(w)
+    return plain
+
+
 def prompt_key(prompt) -> str:
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
@@ -194,7 +257,13 @@ def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
     (GRPOTrainer(environment_factory=...), one instance per rollout); TRL's vLLM generation is used when grpo
     asks for it and no inline tool is set."""
     toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
+    merged = params.grpo.merged_rollouts
     if toolset is not None and params.agent.format == "chat":
+        if merged:
+            raise BatchConfigError(
+                "grpo.merged_rollouts: agent.format 'chat' with an environment runs TRL's own loop, which generates "
+                "with the PEFT model; set merged_rollouts: false (it speeds up the project's loop only)"
+            )
         return None, toolset.factory
     if getattr(args, "use_vllm", False):
         if toolset is not None:
@@ -202,8 +271,13 @@ def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
                 "agent.format 'inline' runs the project's own tool loop (transformers generate); "
                 "TRL's use_vllm needs agent.tools: [] or agent.format: chat"
             )
+        if merged:
+            raise BatchConfigError(
+                "grpo.merged_rollouts: with use_vllm TRL merges the LoRA itself when it syncs vLLM; "
+                "set merged_rollouts: false"
+            )
         return None, None
-    return ToolRollout(toolset, rows), None
+    return ToolRollout(toolset, rows, merged), None
 
 
 def baked_tool_template(tok):
