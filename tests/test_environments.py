@@ -445,7 +445,32 @@ def test_merged_policy_refuses_what_its_refresh_would_leave_stale(tiny, extra, s
         merged_policy(peft)
 
 
-def test_merged_rollouts_are_refused_where_they_would_not_run(monkeypatch):
+@pytest.mark.parametrize(
+    "fsdp, deepspeed, stage, refused",
+    [(False, False, None, False), (False, True, 2, False), (False, True, 3, True), (True, False, None, True)],
+)
+def test_merged_rollouts_are_refused_with_sharded_weights(fsdp, deepspeed, stage, refused):
+    """A whole-model copy per process cannot be made from ZeRO-3 or FSDP shards: grpo.check_merged_rollouts refuses
+    it before the first step; DDP and ZeRO-2 (whole weights on every process) run, and so does merged_rollouts off."""
+    from types import SimpleNamespace
+
+    from agentrl.grpo import BatchConfigError, ToolRollout, check_merged_rollouts
+
+    plugin = SimpleNamespace(zero_stage=stage) if deepspeed else None
+    trainer = SimpleNamespace(
+        is_fsdp_enabled=fsdp,
+        is_deepspeed_enabled=deepspeed,
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+    )
+    check_merged_rollouts(trainer, ToolRollout(None))  # off: nothing to refuse
+    if refused:
+        with pytest.raises(BatchConfigError, match="merged_rollouts.*ZeRO-3, FSDP"):
+            check_merged_rollouts(trainer, ToolRollout(None, merged=True))
+    else:
+        check_merged_rollouts(trainer, ToolRollout(None, merged=True))
+
+
+def test_merged_rollouts_are_refused_where_they_would_not_run():
     """grpo.merged_rollouts needs a LoRA, and the project's loop: TRL's own loop (agent.format chat with an
     environment) and vLLM generate without it, so the knob is refused there rather than ignored."""
     from types import SimpleNamespace

@@ -148,14 +148,6 @@ class ToolRollout:
             torch.no_grad(),
         ):
             if self.merged:
-                if getattr(trainer, "is_fsdp_enabled", False) or (
-                    getattr(trainer, "is_deepspeed_enabled", False)
-                    and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-                ):
-                    raise BatchConfigError(
-                        "grpo.merged_rollouts copies the whole policy on each process; with sharded weights "
-                        "(DeepSpeed ZeRO-3, FSDP) set it to false"
-                    )
                 if self.plain is None:
                     log.info(
                         "rollouts sample from a plain copy of the policy with the LoRA merged in (grpo.merged_rollouts)"
@@ -244,6 +236,21 @@ def merged_policy(model, plain=None):
                         w += mod.get_delta_weight(a)
                 targets[name].weight.copy_(w)
     return plain
+
+
+def check_merged_rollouts(trainer, rollout) -> None:
+    """grpo.merged_rollouts copies the whole policy on each process: refused, before the first step, where the
+    weights are sharded (DeepSpeed ZeRO-3, FSDP)."""
+    if rollout is None or not rollout.merged:
+        return
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) or (
+        getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3
+    ):
+        raise BatchConfigError(
+            "grpo.merged_rollouts copies the whole policy on each process; with sharded weights (DeepSpeed ZeRO-3, "
+            "FSDP) set it to false"
+        )
 
 
 def prompt_key(prompt) -> str:
@@ -385,6 +392,7 @@ def train(params: Params) -> dict:
     )
     if finish:
         finish(trainer)
+    check_merged_rollouts(trainer, rollout)
     _, run = stage.train(trainer, resume)
     hist = trainer.state.log_history
     rewards, kls = _series(hist, "reward"), _series(hist, "kl")
