@@ -310,36 +310,8 @@ def test_each_sample_gets_its_own_reset_observation(tiny):
         assert set(seen) == {(i, s) for i in range(2) for s in range(3)}
 
 
-def test_tool_rollout_renders_the_chat_prompt_with_its_tools(tiny):
-    """grpo.ToolRollout (our loop as TRL's rollout_func) renders a chat-format prompt with the environment's tool
-    description, as evaluation and SFT do (toolset.chat_template_kwargs): the prompt ids GRPO trains on are the ones
-    the policy is evaluated with."""
-    from types import SimpleNamespace
-
-    from accelerate import Accelerator
-
-    from agentrl.grpo import ToolRollout
-
-    tok, model, qwen3 = tiny
-    saved = tok.chat_template
-    tok.chat_template = qwen3
-    try:
-        ts = make_toolset(None, "chat", max_calls=2, environment="countdown", eos_token=tok.eos_token)
-        row = env_rows("countdown", 1, seed=2)[0]
-        prompt = prompt_of(row["question"])
-        trainer = SimpleNamespace(
-            model_wrapped=model, accelerator=Accelerator(cpu=True), processing_class=tok, max_completion_length=4,
-            temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=None,
-            args=SimpleNamespace(ds3_gather_for_generation=True, gradient_checkpointing_kwargs=None),
-        )  # fmt: skip
-        out = ToolRollout(ts, [{**row, "prompt": prompt}])([prompt], trainer)
-        want = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **ts.chat_template_kwargs())
-        assert "check" in want and out["prompt_ids"][0] == tok(want, add_special_tokens=False)["input_ids"]
-    finally:
-        tok.chat_template = saved
-
-
 def _rollout_trainer(model, tok, temperature=1.0, completion_length=4):
+    """What grpo.ToolRollout reads of a GRPOTrainer, for calling it outside one."""
     from types import SimpleNamespace
 
     from accelerate import Accelerator
@@ -350,6 +322,26 @@ def _rollout_trainer(model, tok, temperature=1.0, completion_length=4):
         repetition_penalty=None,
         args=SimpleNamespace(ds3_gather_for_generation=True, gradient_checkpointing_kwargs=None),
     )  # fmt: skip
+
+
+def test_tool_rollout_renders_the_chat_prompt_with_its_tools(tiny):
+    """grpo.ToolRollout (our loop as TRL's rollout_func) renders a chat-format prompt with the environment's tool
+    description, as evaluation and SFT do (toolset.chat_template_kwargs): the prompt ids GRPO trains on are the ones
+    the policy is evaluated with."""
+    from agentrl.grpo import ToolRollout
+
+    tok, model, qwen3 = tiny
+    saved = tok.chat_template
+    tok.chat_template = qwen3
+    try:
+        ts = make_toolset(None, "chat", max_calls=2, environment="countdown", eos_token=tok.eos_token)
+        row = env_rows("countdown", 1, seed=2)[0]
+        prompt = prompt_of(row["question"])
+        out = ToolRollout(ts, [{**row, "prompt": prompt}])([prompt], _rollout_trainer(model, tok, 1.0, 4))
+        want = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **ts.chat_template_kwargs())
+        assert "check" in want and out["prompt_ids"][0] == tok(want, add_special_tokens=False)["input_ids"]
+    finally:
+        tok.chat_template = saved
 
 
 def test_merged_policy_is_the_adapter_merged_and_follows_its_training(tiny):
