@@ -8,6 +8,7 @@ export PATH := $(BIN):$(PATH)
 export PYTHONUNBUFFERED := 1
 HASH := $(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.setup-$(HASH)
+OPENENV_STAMP := $(VENV)/.setup-openenv-$(shell cat requirements-openenv.txt requirements.txt | sha256sum | cut -c1-16)
 PORT ?= 8000
 HOST ?= 127.0.0.1
 MODEL ?= models/merged
@@ -41,6 +42,22 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $@
 	@echo "set-up done ($(STAMP))"
 
+# OpenEnv (issue 42): openenv-core pulls gradio and fastmcp, so it has its own pin file; the targets that run the
+# OpenEnv code (env-server, bench-tools, test, test-slow) install it. The set-up above removes this stamp too.
+.PHONY: setup-openenv env-server
+setup-openenv: setup $(OPENENV_STAMP) ## install openenv-core (requirements-openenv.txt) into .venv if changed
+
+$(OPENENV_STAMP): requirements-openenv.txt requirements.txt
+	$(BIN)/python -m pip install -q -c requirements.txt -r requirements-openenv.txt
+	@rm -f $(VENV)/.setup-openenv-*
+	@touch $@
+
+# ENV (default countdown, as for `make env` below): a registered environment (calculator, countdown, gridworld, ...)
+# or module:Class; its knobs come from params.yaml's environments.<ENV>. PORT=0: a free port (the URL is printed).
+# Train on it with agent.environment_url: http://HOST:PORT (docs/environments.md)
+env-server: setup-openenv ## serve environment ENV over OpenEnv on HOST:PORT
+	python -m agentrl.env_server --env $(call sq,$(ENV)) --host $(call sq,$(HOST)) --port $(call sq,$(PORT))
+
 repro: setup ## set-up, then the whole DVC pipeline (dvc repro)
 	dvc repro
 
@@ -52,10 +69,10 @@ lint: setup ## ruff check + ruff format --check (pinned ruff, config in pyprojec
 
 # --timeout: a test that hangs fails with its stack after that many seconds (pytest-timeout) instead of holding
 # the whole run (the slowest default test takes ~5 min on 2 cores, the slowest slow one ~8 with its set-up)
-test: setup ## the test suite without the slow end-to-end tests (the README's test command)
+test: setup-openenv ## the test suite without the slow end-to-end tests (the README's test command)
 	python -m pytest -m "not slow" --timeout=1200 $(PYTEST_ARGS)
 
-test-slow: setup ## the slow end-to-end tests (sweeps, MCP, sharing, multi-node); CI runs them
+test-slow: setup-openenv ## the slow end-to-end tests (sweeps, MCP, sharing, multi-node); CI runs them
 	python -m pytest -m "slow and not heavy" --timeout=2400 $(PYTEST_ARGS)
 
 # end-to-end runs of tens of minutes on 2 cores (make seeds on miniature params): not in CI
@@ -144,12 +161,15 @@ SPACE ?= configs/sweeps/grpo.yaml
 JOBS ?= 1
 N ?= 10
 TRIALS ?= 20
+# $(call sq,VALUE): VALUE as one single-quoted shell word (each ' written '\''), so that a variable given on the
+# command line (STUDY='x; rm -rf y', a path with spaces) reaches the script as one argument, never the shell
+sq = '$(subst ','\'',$(1))'
 sweep-grid: setup ## a grid search over SPACE through DVC's queue (JOBS at a time)
-	python scripts/sweep.py grid --space $(SPACE) --jobs $(JOBS)
+	python scripts/sweep.py grid --space $(call sq,$(SPACE)) --jobs $(call sq,$(JOBS))
 sweep-random: setup ## N random trials over SPACE through DVC's queue
-	python scripts/sweep.py random --space $(SPACE) -n $(N) --jobs $(JOBS)
+	python scripts/sweep.py random --space $(call sq,$(SPACE)) -n $(call sq,$(N)) --jobs $(call sq,$(JOBS))
 sweep-optuna: setup ## TRIALS Optuna trials over SPACE through DVC's queue
-	python scripts/sweep.py optuna --space $(SPACE) --trials $(TRIALS) --jobs $(JOBS)
+	python scripts/sweep.py optuna --space $(call sq,$(SPACE)) --trials $(call sq,$(TRIALS)) --jobs $(call sq,$(JOBS))
 
 # One search on many machines (docs/sweeps-across-machines.md): run `make sweep-worker` in a clone on every machine.
 # STORAGE: a journal file on a shared filesystem, or an RDB URL (postgresql://user@host/db); STUDY: the search's
@@ -159,23 +179,27 @@ STORAGE ?= sweeps/study.journal
 STUDY ?= search
 KIND ?= optuna
 DASH_PORT ?= 8080
+DASH_WRITABLE ?=
 WORKER_ARGS ?=
 .PHONY: sweep-worker sweep-status sweep-dashboard
 sweep-worker: setup ## one worker of a search many machines share (STORAGE, STUDY, KIND)
 	@mkdir -p sweeps
-	python scripts/sweep_worker.py worker $(KIND) --storage "$(STORAGE)" --name $(STUDY) --space $(SPACE) \
-	  $(if $(filter grid,$(KIND)),,--trials $(TRIALS)) --git-remote $(GIT_REMOTE) $(WORKER_ARGS)
+	python scripts/sweep_worker.py worker $(call sq,$(KIND)) --storage $(call sq,$(STORAGE)) --name $(call sq,$(STUDY)) \
+	  --space $(call sq,$(SPACE)) $(if $(filter grid,$(KIND)),,--trials $(call sq,$(TRIALS))) \
+	  --git-remote $(call sq,$(GIT_REMOTE)) $(WORKER_ARGS)
 sweep-status: setup ## trials of the shared search STUDY in STORAGE, and their experiments
-	python scripts/sweep_worker.py status --storage "$(STORAGE)" --name $(STUDY) --git-remote $(GIT_REMOTE)
-sweep-dashboard: setup ## optuna-dashboard on STORAGE (DASH_PORT)
-	python scripts/sweep_worker.py dashboard --storage "$(STORAGE)" --port $(DASH_PORT)
+	python scripts/sweep_worker.py status --storage $(call sq,$(STORAGE)) --name $(call sq,$(STUDY)) \
+	  --git-remote $(call sq,$(GIT_REMOTE))
+sweep-dashboard: setup ## optuna-dashboard on STORAGE (DASH_PORT; read-only unless DASH_WRITABLE=1)
+	python scripts/sweep_worker.py dashboard --storage $(call sq,$(STORAGE)) --port $(call sq,$(DASH_PORT)) \
+	  $(if $(DASH_WRITABLE),--writable)
 
 bench: setup ## benchmarks: step times, memory, tool loop, serving (metrics/bench*.json)
 	python scripts/bench.py
 
 # The tool loop's figures: loop vs plain generate and the bare-decode ceiling, GRPO step with tools, and the chat
 # format through our loop vs TRL's environment_factory loop: metrics/bench_tools.json, BENCHMARKS-tools.md
-bench-tools: setup ## the tool loop vs plain generate, the decode ceiling and TRL's env loop
+bench-tools: setup-openenv ## the tool loop vs plain generate, the decode ceiling and TRL's env loop
 	python scripts/bench.py --tools-only
 
 # The cost of reproducibility.mode portable vs native (SFT and GRPO step times, each mode in its own processes,

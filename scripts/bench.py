@@ -509,6 +509,97 @@ def tool_loop_speed(params, n: int, stage: str = "grpo", ceiling: bool = False) 
     return out
 
 
+def _forced_demonstrations(tok, rows: list[dict]):
+    """A LogitsProcessor that makes the policy write each row's demonstration (inline format): the text before each
+    `<<expr=` and the call itself; the loop appends what the environment answers (`result>>`), then the next piece."""
+    from transformers import LogitsProcessor
+
+    from agentrl.tools import _ANNOTATION
+
+    def pieces(answer: str) -> list[list[int]]:
+        out, pos = [], 0
+        for m in _ANNOTATION.finditer(answer):
+            out.append(answer[pos : m.start()] + f"<<{m.group(1)}=")
+            pos = m.end()
+        return [tok(x, add_special_tokens=False)["input_ids"] for x in out + [answer[pos:]]]
+
+    demos = [(r["question"], pieces(r["answer"])) for r in rows]
+
+    class Forced(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            for i in range(input_ids.shape[0]):
+                text = tok.decode([t for t in input_ids[i].tolist() if t != tok.pad_token_id])
+                prompt, _, comp = text.rpartition("<|im_start|>assistant\n")
+                ids = next(p for q, p in demos if q in prompt)
+                k, tail = comp.count(">>"), comp.rpartition(">>")[2]
+                piece = ids[k] if k < len(ids) else []
+                j = next((j for j in range(len(piece)) if tok.decode(piece[:j]) == tail), None)
+                want = piece[j] if j is not None else tok.eos_token_id
+                scores[i, :] = -1e9
+                scores[i, want] = 0
+            return scores
+
+    return Forced()
+
+
+@torch.inference_mode()
+def openenv_transport(params, n: int = 64, rounds: int = LOOP_ROUNDS, environment: str = "countdown") -> dict:
+    """Rollout time of our tool loop with `environment`'s episodes in-process against over OpenEnv (issue 42:
+    agent.environment_url serve, a server subprocess on 127.0.0.1, one WebSocket session per completion). The
+    policy is a model of params.model.tiny's size (the default pipeline's) forced to write `n` held-out rows'
+    demonstrations, greedy, in batches of params.eval.batch_size: both sides decode the same tokens and make the
+    same calls. `rounds` pairs back to back; the ratio is the median of the paired ratios. torch runs one thread
+    here: with two on a busy 2-core machine each small matmul waits for the other thread (rounds measured 1 s and
+    17 s apart), and the server process gets the other core."""
+    import random
+
+    from transformers import LogitsProcessorList
+
+    from agentrl.agent import generate_with_tools
+    from agentrl.config import TinyModelParams
+    from agentrl.data import messages
+    from agentrl.envs import openenv_client
+    from agentrl.modeling import build_tiny_model, train_tokenizer
+    from agentrl.tools import TASKS, toolset_from_params
+
+    rows = TASKS[environment].make_rows(n, random.Random(0), "test")
+    prompts = [messages("", r["question"]) for r in rows]
+    tiny = params.model.tiny
+    tok = train_tokenizer([r["question"] + r["answer"] for r in rows], tiny.vocab_size)
+    model = build_tiny_model(tok, TinyModelParams(**tiny.model_dump()), params.seed).eval()
+    agent = params.agent.model_copy(update={"tools": [], "format": "inline", "environment": environment})
+    forced = LogitsProcessorList([_forced_demonstrations(tok, rows)])
+
+    def rollout(url) -> tuple[float, list]:
+        toolset = toolset_from_params(agent.model_copy(update={"environment_url": url}), tok.eos_token,
+                                      params.environments)  # fmt: skip
+        t = time.perf_counter()
+        out = generate_with_tools(model, tok, prompts, toolset, 96, params.eval.batch_size, rows=rows,
+                                  logits_processor=forced)  # fmt: skip
+        return time.perf_counter() - t, [r[0] for r in out]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rollout(None), rollout("serve")  # warm-up: the first calls of both paths, and the server's start
+        pairs = [(rollout(None), rollout("serve")) for _ in range(rounds)]
+    finally:
+        openenv_client._stop_served()
+        torch.set_num_threads(threads)
+    (_, local), (_, remote) = pairs[0]
+    if [r.completion_ids for r in local] != [r.completion_ids for r in remote]:
+        raise RuntimeError("openenv_transport: the rollouts over OpenEnv differ from in-process ones")
+    return {
+        "environment": environment,
+        "rollouts": n,
+        "tool_calls": sum(len(r.calls) for r in local),
+        "in_process_seconds": stats([a[0] for a, _ in pairs]),
+        "openenv_seconds": stats([b[0] for _, b in pairs]),
+        "ratio": statistics.median(b[0] / a[0] for a, b in pairs),
+        "round_ratios": [b[0] / a[0] for a, b in pairs],
+    }
+
+
 def chat_loops_speed(params, steps: int = CHAT_STEPS, warmup: int = CHAT_WARMUP) -> dict:
     """chat_loops_side_by_side on the policy GRPO starts from (grpo.starting_model) and the first GRPO prompts the
     run needs. The workspace's tokenizer keeps its template when it can render tool calls; otherwise (an inline-format
@@ -609,6 +700,7 @@ def tools_only(params, repeats: int, n: int) -> None:
     tl = [tool_loop_speed(params, n, ceiling=True) for _ in R]
     gr = [grpo_step_stats(params) for _ in R]
     ch = [chat_loops_speed(params) for _ in R]
+    oe = openenv_transport(params)  # one run of LOOP_ROUNDS paired rounds
     side_keys = ("seconds_per_step", "rollout_tokens_per_second", "sampled_tokens_per_completion")
     res = {
         "machine": machine(),
@@ -654,6 +746,8 @@ def tools_only(params, repeats: int, n: int) -> None:
     res["chat_grpo_rollout_tokens_per_second_ours_over_trl"] = res["chat_grpo"]["rollout_tokens_per_second_ratio"][
         "median"
     ]
+    res["openenv_transport"] = oe
+    res["openenv_rollout_time_over_in_process"] = oe["ratio"]
     write_json("metrics/bench_tools.json", res)
     t, g, c = res["tool_loop"], res["grpo"], res["chat_grpo"]
     timed_steps = f"steps {CHAT_WARMUP + 1}–{CHAT_STEPS}"
@@ -698,6 +792,13 @@ def tools_only(params, repeats: int, n: int) -> None:
         f"trainer's `_generate` (both loops run inside it), {timed_steps}; "
         f"{c['ours']['sampled_tokens_per_completion']['median']:.0f} vs "
         f"{c['trl']['sampled_tokens_per_completion']['median']:.0f} sampled tokens per completion |",
+        f"| **OpenEnv transport: rollout time over OpenEnv / in-process** | {oe['ratio']:.2f} (rounds: "
+        f"{', '.join(f'{x:.2f}' for x in oe['round_ratios'])}; in-process {mm(oe['in_process_seconds'], '{:.2f}')} s, "
+        f"OpenEnv {mm(oe['openenv_seconds'], '{:.2f}')} s) | `agent.generate_with_tools` on {oe['rollouts']} held-out "
+        f"{oe['environment']} rows ({oe['tool_calls']} calls), the episodes in-process vs over OpenEnv "
+        "(`agent.environment_url: serve`: a server subprocess on 127.0.0.1, one WebSocket session per completion); "
+        "a params.model.tiny-sized policy forced to write the demonstrations, greedy, one torch thread; one run, "
+        f"{LOOP_ROUNDS} rounds back to back, median of the paired ratios |",
         "",
         f"Chat format: prompts of {c['mean_prompt_tokens']:.0f} tokens on average (Qwen3's tool description; the "
         "base stage trains the tokenizer on it only when the pipeline runs in the chat format). Tool calls per "

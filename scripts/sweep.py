@@ -75,6 +75,23 @@ def load_space(path: str, kind: str) -> dict:
     return space
 
 
+def check_search_name(name: str, flag: str = "--name") -> None:
+    """A search's name prefixes its experiments' names (<name>-t<N>, <name>-<time>) and, here, a directory
+    (sweeps/<name>/): it must make valid experiment names (agentrl.agent_checks.check_experiment_name: git's
+    ref rules, no revision syntax, no path), checked before a study or a queue entry is created.
+
+    Args:
+        name: the search's name.
+        flag: how the user gave it, for the error.
+    """
+    from agentrl.agent_checks import APIError, check_experiment_name
+
+    try:
+        check_experiment_name(f"{name}-t0")
+    except APIError as e:
+        raise SystemExit(f"{flag} {name[:200]!r}: names its experiments {name[:100]}-tN, and {e.message}") from None
+
+
 def set_args(point: dict) -> list[str]:
     """`-S key=value` per key of the point (agentrl.overrides.render: keys params.yaml has, so DVC refuses a typo)."""
     return [a for arg in overrides.render(point, add=False) for a in ("-S", arg)]
@@ -184,6 +201,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="random / optuna sampler seed")
     a = ap.parse_args()
     space, name = load_space(a.space, a.kind), a.name or a.kind
+    check_search_name(name)
     Path("sweeps", name).mkdir(parents=True, exist_ok=True)
     if a.kind == "grid":
         run_grid(name, space, a.jobs)

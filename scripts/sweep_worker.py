@@ -4,7 +4,7 @@
 
     python scripts/sweep_worker.py worker optuna|random|grid --storage S --name NAME [--trials N] [--space F]
     python scripts/sweep_worker.py status --storage S [--name NAME] [--json]
-    python scripts/sweep_worker.py dashboard --storage S [--port 8080]      # optuna-dashboard on 127.0.0.1
+    python scripts/sweep_worker.py dashboard --storage S [--port 8080] [--writable]  # optuna-dashboard, 127.0.0.1
 
 STORAGE: a journal file on a filesystem every worker mounts (Optuna's JournalStorage + JournalFileBackend), or an
 RDB URL (postgresql://user@host/db, mysql+pymysql://..., sqlite:///file for one machine). Samplers: grid ->
@@ -40,7 +40,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import SEARCHED, load_space, pick, set_args, suggest  # noqa: E402
+from sweep import SEARCHED, check_search_name, load_space, pick, set_args, suggest  # noqa: E402
 
 RDB_URL = re.compile(r"^[A-Za-z][\w+.-]*://")
 HEARTBEAT_KEY = "agentrl:heartbeat"  # trial system attr: time.time() of the trial's last beat (journal storage)
@@ -108,33 +108,127 @@ def rdb_storage(url: str, attempts: int = 3, wait_s: float = 2.0, **kwargs):
         try:
             return optuna.storages.RDBStorage(url, **kwargs)
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as e:
+            if kwargs.get("skip_table_creation"):
+                raise  # only reading: nothing was being created, there is nothing to try again
             if attempt == attempts:
                 shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
                 raise SystemExit(f"STORAGE {shown}: could not set up Optuna's tables ({attempts} tries): {e}") from e
             time.sleep(wait_s)
 
 
-def open_storage(spec: str, heartbeat: int | None = None, grace: int | None = None, max_retry: int | None = None):
+def shown_storage(spec: str) -> str:
+    """STORAGE as it may be printed: an RDB URL without its password.
+
+    Args:
+        spec: STORAGE as given.
+
+    Returns:
+        The same, the password of an RDB URL replaced by ***.
+    """
+    if not RDB_URL.match(spec):
+        return spec
+    import sqlalchemy
+
+    try:
+        return sqlalchemy.engine.make_url(spec).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:
+        return spec.split("://", 1)[0] + "://..."
+
+
+def open_storage(
+    spec: str,
+    heartbeat: int | None = None,
+    grace: int | None = None,
+    max_retry: int | None = None,
+    create: bool = True,
+):
     """The study's storage: an RDB URL -> RDBStorage, else a journal file -> JournalStorage(JournalFileBackend);
-    with `heartbeat` seconds, heartbeats on and stale trials retried (RetryHeartbeatStaleTrialCallback)."""
+    with `heartbeat` seconds, heartbeats on and stale trials retried (RetryHeartbeatStaleTrialCallback).
+    Anything that is not an Optuna journal or database stops with a SystemExit naming STORAGE, not a traceback.
+
+    Args:
+        spec: STORAGE, a journal file path or an RDB URL.
+        heartbeat: seconds between a running trial's beats (None: no heartbeats).
+        grace: seconds without a beat before a trial is stale.
+        max_retry: times a stale trial is queued again.
+        create: whether a missing journal file, SQLite file or Optuna's tables may be created (a worker joining
+            a new search); False for the commands that only read (status, dashboard).
+
+    Returns:
+        The storage, its existing journal or tables read once.
+    """
     import optuna
-    from optuna.storages.journal import JournalFileBackend
+    import sqlalchemy.exc
 
     quiet_experimental()
     if not spec:
         raise SystemExit("STORAGE is empty: give a journal file on a shared filesystem or an RDB URL")
     retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry) if heartbeat else None
-    if RDB_URL.match(spec):
-        return rdb_storage(spec, heartbeat_interval=heartbeat, grace_period=grace, heartbeat_stale_trial_callback=retry)
+    try:
+        if RDB_URL.match(spec):
+            if not create:
+                _require_sqlite_file(spec)
+            return rdb_storage(
+                spec,
+                heartbeat_interval=heartbeat,
+                grace_period=grace,
+                heartbeat_stale_trial_callback=retry,
+                skip_table_creation=not create,
+            )
+        return journal_storage(spec, heartbeat, grace, retry, create)
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+        cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) and e.__cause__ else e
+        cause = getattr(cause, "orig", None) or cause  # the database's own message, not SQLAlchemy's wrapping
+        reason = (str(cause).splitlines() or [type(cause).__name__])[0]
+        raise SystemExit(f"STORAGE {shown_storage(spec)}: not a readable Optuna database ({reason})") from None
+    except ImportError as e:  # the URL's database driver is not installed
+        raise SystemExit(
+            f"STORAGE {shown_storage(spec)}: {e} (install the driver: docs/sweeps-across-machines.md)"
+        ) from None
+
+
+def _require_sqlite_file(url: str) -> None:
+    """An sqlite:/// URL names a file that exists: reading it must not create an empty database.
+
+    Args:
+        url: the RDB URL (other databases pass unchecked: their server holds the tables).
+    """
+    import sqlalchemy
+
+    parsed = sqlalchemy.engine.make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        if not Path(parsed.database).is_file():
+            raise SystemExit(f"STORAGE {url}: {parsed.database} does not exist (no worker has written it yet?)")
+
+
+def journal_storage(spec: str, heartbeat, grace, retry, create: bool):
+    """JournalStorage (with heartbeats) over the journal file `spec`; a file that is not an Optuna journal (its
+    replay fails) stops with a SystemExit naming it and the first problem.
+
+    Args:
+        spec: the journal file's path.
+        heartbeat, grace, retry: as open_storage's heartbeat, grace and retry callback.
+        create: whether a missing journal file may be created.
+
+    Returns:
+        The storage, the journal replayed.
+    """
+    from optuna.storages.journal import JournalFileBackend
+
     path = Path(spec).expanduser()
     if path.is_dir():
         raise SystemExit(f"STORAGE {spec}: a directory; expected a journal file path (e.g. {spec}/study.journal)")
     if not path.parent.is_dir():
         raise SystemExit(f"STORAGE {spec}: directory {path.parent} does not exist (mount the shared filesystem?)")
+    if not create and not path.is_file():
+        raise SystemExit(f"STORAGE {spec}: no such journal file (no worker has written it yet?)")
     if path.is_file() and path.read_bytes()[:16] == b"SQLite format 3\x00":
         raise SystemExit(f"STORAGE {spec}: an SQLite database; give it as an RDB URL, sqlite:///{path}")
     cls = journal_heartbeat_storage_class()
-    return cls(JournalFileBackend(str(path)), heartbeat, grace, retry)
+    try:
+        return cls(JournalFileBackend(str(path)), heartbeat, grace, retry)  # replays the journal
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # JSON, encoding, op records
+        raise SystemExit(f"STORAGE {spec}: not an Optuna journal file ({type(e).__name__}: {e})"[:500]) from None
 
 
 def make_sampler(kind: str, space: dict, seed: int | None):
@@ -178,6 +272,7 @@ def run_worker(a) -> dict:
     import optuna
     from optuna.trial import TrialState
 
+    check_search_name(a.name)
     space = load_space(a.space, a.kind)
     obj = space["objective"]
     if not a.no_push and git_remote_url(a.git_remote) is None:
@@ -319,7 +414,7 @@ def study_name(storage, name: str | None, spec: str) -> str:
 def run_status(a) -> dict:
     import optuna
 
-    storage = open_storage(a.storage)
+    storage = open_storage(a.storage, create=False)
     study = optuna.load_study(study_name=study_name(storage, a.name, a.storage), storage=storage)
     out = summary(study, a.git_remote)
     if a.json:
@@ -338,13 +433,117 @@ def run_status(a) -> dict:
     return out
 
 
+DASHBOARD_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+TOKEN_ENV = "AGENTRL_DASHBOARD_TOKEN"
+
+
+class DashboardGuard:
+    """WSGI middleware around optuna-dashboard's app, which has no authentication and answers whatever Host a
+    request names: a web page whose own name resolves to 127.0.0.1 (DNS rebinding) could otherwise delete the
+    shared study from the user's browser. A request whose Host is not this dashboard's address is refused; a
+    request that changes something (any method but GET and HEAD) is refused unless the dashboard was started
+    with a token and the request carries it (Authorization: Bearer, or the cookie that opening the printed
+    `/?token=...` URL once sets: SameSite=Strict, so another site's page cannot send it)."""
+
+    SAFE_METHODS = ("GET", "HEAD")
+
+    def __init__(self, app, port: int, token: str | None = None):
+        """
+        Args:
+            app: optuna-dashboard's WSGI application (optuna_dashboard.wsgi).
+            port: the port it is served on (a Host header may name it).
+            token: the secret that allows changes; None: read-only.
+        """
+        self.app, self.port, self.token = app, port, token
+        self.hosts = {f"{h}{p}" for h in DASHBOARD_HOSTS for p in ("", f":{port}")}
+        self.cookie = f"agentrl_dashboard_{port}"
+
+    def __call__(self, environ, start_response):
+        import hmac
+        from http.cookies import SimpleCookie
+        from urllib.parse import parse_qs, urlencode
+
+        host = environ.get("HTTP_HOST", "").lower()
+        if host not in self.hosts:
+            return self.refuse(
+                start_response,
+                f"Host {host[:100]!r} is not this dashboard's address (127.0.0.1 or localhost, port {self.port})",
+            )
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        if "token" in query:  # the printed URL, opened once: the token becomes a cookie, the URL loses it
+            if self.token is None or not hmac.compare_digest(query["token"][0].encode(), self.token.encode()):
+                return self.refuse(start_response, "wrong token")
+            rest = urlencode({k: v for k, v in query.items() if k != "token"}, doseq=True)
+            cookie = f"{self.cookie}={self.token}; Path=/; HttpOnly; SameSite=Strict"
+            where = "/" + environ.get("PATH_INFO", "/").lstrip("/")  # never `//host`: another site
+            where += f"?{rest}" if rest else ""
+            start_response("303 See Other", [("Location", where), ("Set-Cookie", cookie), ("Content-Length", "0")])
+            return [b""]
+        if environ.get("REQUEST_METHOD", "GET") in self.SAFE_METHODS:
+            return self.app(environ, start_response)
+        if self.token is None:
+            return self.refuse(
+                start_response, "this dashboard is read-only (start it with --writable to change studies)"
+            )
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        jar = SimpleCookie(environ.get("HTTP_COOKIE", ""))
+        given = [auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else ""]
+        given.append(jar[self.cookie].value if self.cookie in jar else "")
+        if not any(g and hmac.compare_digest(g.encode(), self.token.encode()) for g in given):
+            return self.refuse(start_response, "a change needs the dashboard's token (open the URL it printed once)")
+        return self.app(environ, start_response)
+
+    @staticmethod
+    def refuse(start_response, why: str) -> list[bytes]:
+        """A 403 answer saying why.
+
+        Args:
+            start_response: the WSGI server's callable.
+            why: the reason, for the client.
+
+        Returns:
+            The response body.
+        """
+        body = f"403 Forbidden: {why}\n".encode()
+        start_response(
+            "403 Forbidden", [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+        )
+        return [body]
+
+
+def dashboard_app(storage, port: int, token: str | None = None):
+    """optuna-dashboard's WSGI app on `storage`, behind DashboardGuard (Host check; read-only without `token`).
+
+    Args:
+        storage: the study storage (open_storage).
+        port: the port it is served on.
+        token: the secret that allows changes; None: read-only.
+
+    Returns:
+        The WSGI application to serve.
+    """
+    from optuna_dashboard import wsgi
+
+    return DashboardGuard(wsgi(storage), port, token)
+
+
 def run_dashboard(a) -> None:
-    from optuna_dashboard import run_server
+    import secrets
+    from wsgiref.simple_server import make_server
 
     if a.host not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"--host {a.host}: the dashboard binds 127.0.0.1 only (reach it with ssh -L)")
-    print(f"optuna-dashboard on http://{a.host}:{a.port}/ ({a.storage})", flush=True)
-    run_server(open_storage(a.storage), host=a.host, port=a.port)
+    token = (os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)) if a.writable else None
+    if token is not None and not re.fullmatch(r"[A-Za-z0-9_-]{16,200}", token):
+        raise SystemExit(f"${TOKEN_ENV}: 16 to 200 letters, digits, '_' or '-' expected (it goes into a cookie)")
+    app = dashboard_app(open_storage(a.storage, create=False), a.port, token)
+    url = f"http://{a.host}:{a.port}/"
+    if token is None:
+        print(f"optuna-dashboard on {url} ({a.storage}), read-only (--writable to change studies)", flush=True)
+    else:
+        print(f"optuna-dashboard on {url} ({a.storage}), writable: open {url}?token={token} once", flush=True)
+    with make_server(a.host, a.port, app) as server:
+        server.serve_forever()
 
 
 def main() -> None:
@@ -374,6 +573,11 @@ def main() -> None:
     d = sub.choices["dashboard"]
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=8080)
+    d.add_argument(
+        "--writable",
+        action="store_true",
+        help=f"allow changes (delete, notes) with a token: ${TOKEN_ENV}, else a generated one (printed)",
+    )
     a = ap.parse_args()
     if a.command == "worker":
         for flag in ("heartbeat", "grace", "max_failures"):

@@ -248,3 +248,72 @@ def test_runs_are_serialised_by_the_repository_lock(copy_repo):
     second.join()
     assert events == [("in", "a"), ("out", "a"), ("in", "b"), ("out", "b")]
     assert [n for n, m in waits if "waiting for another run" in m] == ["b"]
+
+
+def test_experiment_names_cannot_be_git_revisions_or_revision_syntax(repo, monkeypatch):
+    """Issue 45 items 5 and 11: a name that git reads as something else (the branch, a tag, a remote, HEAD and
+    git's other own names, a sha prefix) would make the run's results that commit's; revision syntax, whitespace
+    and a trailing newline (`$` matches before it) are refused too. Nothing runs, nothing is written."""
+    started = []
+    monkeypatch.setattr(agent_api, "_stream", lambda root, cmd, run: started.append(cmd) or (1, ""))
+    sh(["git", "tag", "v1"], repo)
+    sh(["git", "branch", "feature"], repo)
+    sh(["git", "update-ref", "refs/remotes/origin/HEAD", "HEAD"], repo)
+    branch = sh(["git", "branch", "--show-current"], repo).strip()
+    head = sh(["git", "rev-parse", "HEAD"], repo).strip()
+    before = snapshot(repo)
+    names = [branch, "feature", "v1", "origin", "HEAD", "FETCH_HEAD", "ORIG_HEAD", "MERGE_HEAD", "stash"]
+    names += [head[:7], head, "beef", "workspace", "x\n", "x ", "x\t", "main~1", "HEAD^", "a:b", "HEAD@{0}"]
+    names += ["a..b", "x.", "x.lock", "a/b", "@"]
+    for name in names:
+        err = assert_error(
+            agent_api.call("run_experiment", {"overrides": {}, "name": name}, root=repo),
+            "invalid_value",
+            "name",
+        )
+        assert repr(name)[1:-1] in err["message"], err
+    assert started == [] and snapshot(repo) == before  # no `dvc exp run` started
+
+
+def test_compare_answers_unknown_experiment_for_revisions_that_are_not_commits(repo):
+    """Issue 45 item 12: a path (`HEAD:params.yaml`), a tree (`HEAD^{tree}`) and a commit-message search
+    (`:/baseline`) name no experiment: unknown_experiment naming the argument, not internal_error."""
+    for rev in ("HEAD:params.yaml", "HEAD^{tree}", ":/baseline", "HEAD:no-such-file", "HEAD^{blob}"):
+        err = assert_error(
+            agent_api.call("compare", {"a": "workspace", "b": rev}, root=repo), "unknown_experiment", "b"
+        )
+        assert rev in err["message"]
+    # a commit whose outputs are not in the local DVC cache (the copy's dvc.lock names eval/grpo, its cache is
+    # empty): metrics side by side, no paired test, and why (DataIndexDirError, an internal_error, before)
+    out = agent_api.call("compare", {"a": "HEAD", "b": "workspace"}, root=repo)
+    assert "error" not in out and out["paired_test"] is None, out
+    assert "eval/grpo/predictions.jsonl is not in the local DVC cache" in out["paired_test_reason"], out
+    assert_error(
+        agent_api.call("evaluate", {"experiment": "HEAD:params.yaml", "n": 2}, root=repo),
+        "unknown_experiment",
+        "experiment",
+    )
+
+
+def test_a_finished_run_is_read_back_from_its_experiment_ref_not_a_branch_of_the_same_name(repo):
+    """Issue 45 item 5, the read-back: DVC resolves a git revision before an experiment, so a branch named like
+    the experiment would stand for it (its commit and metrics reported, or a good run removed as
+    override_not_applied). agent_api._experiment_rev looks among experiment refs only."""
+    baseline = sh(["git", "rev-parse", "HEAD"], repo).strip()
+    tree = sh(["git", "rev-parse", "HEAD^{tree}"], repo).strip()
+    exp_commit = sh(["git", "commit-tree", tree, "-p", baseline, "-m", "experiment"], repo).strip()
+    sh(["git", "update-ref", f"refs/exps/{baseline[:2]}/{baseline[2:]}/bs4", exp_commit], repo)
+    sh(["git", "branch", "bs4", baseline], repo)  # made after the run: the name check could not see it
+    assert agent_api._experiment_rev(repo, "bs4") == exp_commit
+    assert agent_api._resolve(repo, "bs4", "a") == baseline  # what the run's read-back used before
+    err = assert_error(agent_api.call("run_experiment", {"name": "bs4"}, root=repo), "invalid_value", "name")
+    assert baseline[:12] in err["message"]
+
+
+def test_a_run_outside_a_git_repository_is_a_clean_error(copy_repo):
+    before = snapshot(copy_repo)
+    err = assert_error(
+        agent_api.call("run_experiment", {"name": "okname"}, root=copy_repo), "not_a_pipeline_repo", "root"
+    )
+    assert "not a git repository" in err["message"]
+    assert snapshot(copy_repo) == before

@@ -152,3 +152,104 @@ def test_params_yaml_is_the_one_place_a_default_lives():
 
     sig = inspect.signature(Toolset.__init__).parameters
     assert all(sig[k].default is inspect.Parameter.empty for k in ("max_calls", "max_expression_chars", "timeout_s"))
+
+
+# --------------------------------------------------------------- params bounded by the machine (issue 45, item 10)
+MAX_TINY = dict(
+    vocab_size=1_048_576,
+    hidden_size=16384,
+    intermediate_size=65536,
+    num_hidden_layers=256,
+    num_attention_heads=256,
+    num_key_value_heads=256,
+    head_dim=1024,
+)
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """A CPU-only machine with 64 GB of RAM, whatever machine runs the test (the GPU memory can be set per test)."""
+    from agentrl import config
+
+    monkeypatch.delenv(config.ALLOW_LARGE_MODEL_ENV, raising=False)
+    monkeypatch.setattr(config, "ram_bytes", lambda: 64 * 10**9)
+    monkeypatch.setattr(config, "gpu_bytes", lambda: 0)
+    return monkeypatch
+
+
+def test_tiny_model_at_its_maxima_is_refused_unless_allowed(cpu_machine):
+    """model.tiny at every maximum (5.2e12 parameters) used to pass validation and fail at allocation."""
+    p = raw_params()
+    p["model"]["tiny"].update(MAX_TINY)
+    with pytest.raises(ParamsError) as e:
+        validate_params(p)
+    msg = str(e.value)
+    assert "model.tiny: 5,239,869,030,400 parameters need ~83,837.9 GB to train" in msg, msg
+    assert "64.0 GB of RAM and no GPU" in msg and "AGENTRL_ALLOW_LARGE_MODEL=1" in msg, msg
+    cpu_machine.setenv("AGENTRL_ALLOW_LARGE_MODEL", "1")
+    assert validate_params(p).model.tiny.hidden_size == 16384
+
+
+def test_tiny_parameter_estimate_is_the_built_model_count():
+    from agentrl.config import TinyModelParams, tiny_parameter_count
+    from agentrl.modeling import build_tiny_model
+
+    for dims in (raw_params()["model"]["tiny"], {**raw_params()["model"]["tiny"], "num_key_value_heads": 4}):
+        t = TinyModelParams(**dims)
+        # build_tiny_model reads the vocabulary size and the special ids from the tokenizer
+        tokenizer = type("Tok", (), {"__len__": lambda self, n=t.vocab_size: n, "pad_token_id": 0, "eos_token_id": 1})()
+        model = build_tiny_model(tokenizer, t, seed=0)
+        assert tiny_parameter_count(t) == sum(x.numel() for x in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "base_model, gpu_gb, refused",
+    [
+        ("meta-llama/Llama-3.1-405B-Instruct", 0, "405,000,000,000 parameters (the size in its name), ~1,620.0 GB"),
+        ("meta-llama/Llama-3.1-405B-Instruct", 640, "and 640.0 GB of GPU memory"),  # 810 GB in bf16: no machine here
+        ("meta-llama/Llama-3.1-70B", 0, "~280.0 GB of weights in fp32, more than this machine's 64.0 GB of RAM"),
+        ("meta-llama/Llama-3.1-70B", 640, None),  # bf16 on 8 x 80 GB
+        ("mistralai/Mixtral-8x22B-v0.1", 0, "176,000,000,000 parameters"),
+        ("Qwen/Qwen3-0.6B", 0, None),  # the GPU recipe's model fits a laptop's RAM
+        ("openai-community/gpt2", 0, None),  # no size knowable offline: not checked (documented)
+    ],
+)
+def test_hub_models_too_big_for_the_machine_are_refused_offline(cpu_machine, base_model, gpu_gb, refused):
+    """A 405B hub id on a CPU machine used to validate and start a download; the size in the name refuses it."""
+    from agentrl import config
+
+    cpu_machine.setattr(config, "gpu_bytes", lambda: gpu_gb * 10**9)
+    p = raw_params()
+    p["model"]["base_model"] = base_model
+    if refused is None:
+        assert validate_params(p).model.base_model == base_model
+        return
+    with pytest.raises(ParamsError) as e:
+        validate_params(p)
+    assert f"model.base_model: {base_model} has ~" in str(e.value) and refused in str(e.value), str(e.value)
+
+
+def test_local_model_size_is_read_from_its_safetensors_headers(cpu_machine, tmp_path):
+    import json as _json
+
+    def weights(path, shape):
+        header = _json.dumps({"w": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}}).encode()
+        path.write_bytes(len(header).to_bytes(8, "little") + header)  # the header only: nothing else is read
+
+    (tmp_path / "big").mkdir()
+    weights(tmp_path / "big" / "model-00001.safetensors", [100_000, 1_000_000])
+    weights(tmp_path / "big" / "model-00002.safetensors", [1000, 1000])
+    p = raw_params()
+    p["model"].update(base_model=str(tmp_path / "big"), precision="bf16")
+    with pytest.raises(ParamsError, match=r"has ~100,001,000,000 parameters \(the safetensors headers in"):
+        validate_params(p)
+    (tmp_path / "small").mkdir()
+    weights(tmp_path / "small" / "model.safetensors", [1000, 1000])
+    p["model"]["base_model"] = str(tmp_path / "small")
+    assert validate_params(p).model.precision == "bf16"
+
+
+def test_allow_large_model_variable_takes_only_0_or_1(cpu_machine):
+    cpu_machine.setenv("AGENTRL_ALLOW_LARGE_MODEL", "yes")
+    with pytest.raises(ParamsError, match="AGENTRL_ALLOW_LARGE_MODEL must be 1"):
+        validate_params(raw_params())

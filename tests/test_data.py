@@ -298,3 +298,86 @@ def test_digit_steps_rate_rewrites_only_training_solutions():
             assert len(b["answer"].splitlines()) == b["steps"] + 1 and ": " in b["answer"]
     checked = check_rows([RawRow("synthetic:train", i, r) for i, r in enumerate(train, 1)], "train", True)
     assert len(checked.examples) == len(train) and not checked.bad  # prepare's parser accepts the digit style
+
+
+# ------------------------------------------------------------------ hostile input lines (issue 45, items 7 and 8)
+GOOD_LINE = json.dumps({"question": "Tom has 2 apples and buys 3 more. How many?", "answer": "2+3=5\n#### 5"})
+MALFORMED = {
+    "deep_nesting": ("[" * 100_000, "invalid_json", "nested too deeply"),
+    "huge_integer": ('{"question": "q?", "answer": "#### 1", "steps": ' + "7" * 5000 + "}", "invalid_json", "digits"),
+    "bare_huge_integer": ("9" * 5000, "invalid_json", "digits"),
+    "lone_surrogate": ('{"question": "q\\ud800?", "answer": "#### 1"}', "invalid_text", "question holds"),
+    "long_field": (json.dumps({"question": "q" * 100_001, "answer": "#### 1"}), "field_too_large", "question has"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_every_malformed_line_is_a_bad_row_naming_file_and_line(tmp_path, kind):
+    """A `"["*100000` line (RecursionError), a 5,000-digit integer (ValueError naming no line) and a lone surrogate
+    (UnicodeEncodeError when the id is hashed) used to escape the row checks and stop prepare."""
+    line, reason, detail = MALFORMED[kind]
+    f = tmp_path / "in.jsonl"
+    f.write_text(GOOD_LINE + "\n" + line + "\n")
+    res = check_rows(read_jsonl(f), "train", True)
+    assert len(res.examples) == 1 and [b.reason for b in res.bad] == [reason]
+    assert str(res.bad[0]).startswith(f"{f}:2: {reason}") and detail in str(res.bad[0]), str(res.bad[0])
+
+
+def test_oversized_row_is_a_bad_row_read_with_a_bound(tmp_path):
+    """A 20 MB line is named and skipped without ever holding it in memory (a 100 MB row once grew `base` to 20 GB)."""
+    import tracemalloc
+
+    from agentrl.data import MAX_ROW_BYTES
+
+    f = tmp_path / "in.jsonl"
+    with f.open("w") as out:
+        out.write(GOOD_LINE + "\n")
+        out.write('{"question": "' + "x" * (20 * MAX_ROW_BYTES) + '", "answer": "#### 1"}\n')
+        out.write(GOOD_LINE.replace("Tom", "Ann") + "\n")
+    tracemalloc.start()
+    try:
+        res = check_rows(read_jsonl(f), "train", True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(res.examples) == 2 and [(b.line, b.reason) for b in res.bad] == [(2, "row_too_large")]
+    assert f"longer than {MAX_ROW_BYTES:,} bytes" in str(res.bad[0])
+    assert peak < 4 * MAX_ROW_BYTES, f"peak {peak:,} bytes while reading a {20 * MAX_ROW_BYTES:,}-byte line"
+
+
+def test_row_limit_is_a_parameter_of_the_reader(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text(GOOD_LINE + "\n" + GOOD_LINE.replace("Tom", "Ann") + "\n")
+    bad = [r.data for r in read_jsonl(f, max_row_bytes=len(GOOD_LINE))]  # the newline makes each one byte too long
+    assert [(b.line, b.reason) for b in bad] == [(1, "row_too_large"), (2, "row_too_large")]
+    assert [r.data["question"][:3] for r in read_jsonl(f, max_row_bytes=len(GOOD_LINE) + 1)] == ["Tom", "Ann"]
+
+
+@pytest.mark.parametrize("on_bad_rows", ["drop", "error"])
+def test_prepare_drops_or_names_every_malformed_line(workdir, on_bad_rows):
+    from agentrl.prepare import BadRowsError
+
+    lines = [json.dumps(r) for r in GOOD[:5]] + [MALFORMED[k][0] for k in sorted(MALFORMED)]
+    (workdir / "train.jsonl").write_text("\n".join(lines) + "\n")
+    _write_gsm8k(workdir / "test.jsonl", GOOD[20:22])
+    data = dict(source="jsonl", train_file="train.jsonl", test_file="test.jsonl", eval_max_samples=None)
+    if on_bad_rows == "error":
+        with pytest.raises(BadRowsError) as e:
+            _prepare(workdir, on_bad_rows="error", **data)
+        named = [f"train.jsonl:{6 + i}: {MALFORMED[k][1]}" for i, k in enumerate(sorted(MALFORMED))]
+        assert all(n in str(e.value) for n in named), str(e.value)
+        return
+    m = _prepare(workdir, on_bad_rows="drop", **data)
+    assert m["written"]["sft_train"] == 5
+    assert m["dropped"]["train"] == {"field_too_large": 1, "invalid_json": 3, "invalid_text": 1}
+
+
+def test_synthetic_generator_stops_when_nothing_new_comes():
+    """1e7 problems from operands 1..2 used to draw for hours (50 attempts per row) before failing."""
+    from agentrl.data import MAX_STALL_ATTEMPTS
+
+    with pytest.raises(ValueError, match=r"unique problems of 10000010 requested .* in (\d+) draws") as e:
+        generate_synthetic(1, 10_000_000, 10, 1, 2, ["+"], {1: 1.0})
+    draws = int(re.search(r"in (\d+) draws", str(e.value)).group(1))
+    made = int(re.search(r"generate (\d+) unique", str(e.value)).group(1))
+    assert draws <= 20 * made + MAX_STALL_ATTEMPTS, str(e.value)

@@ -416,6 +416,57 @@ def test_impossible_request_says_what_to_change():
         make_rows(100, random.Random(0), "train", num_numbers=2, number_min=1, number_max=3)
 
 
+def _instances_by_brute_force(num_numbers: int, lo: int, hi: int, target_max: int) -> int:
+    """Every (multiset, target) _random_solution can make: all its orders of combining, targets in 1..target_max."""
+
+    def values(items: tuple) -> set:
+        if len(items) == 1:
+            return {items[0]}
+        out = set()
+        for i, j in itertools.permutations(range(len(items)), 2):
+            a, b = items[i], items[j]
+            rest = tuple(x for k, x in enumerate(items) if k not in (i, j))
+            made = [a + b, a * b] + ([a - b] if a > b else []) + ([a // b] if b > 1 and a % b == 0 else [])
+            for v in made:
+                out |= values(rest + (v,))
+        return out
+
+    combos = itertools.combinations_with_replacement(range(lo, hi + 1), num_numbers)
+    return sum(sum(1 <= v <= target_max for v in values(c)) for c in combos)
+
+
+@pytest.mark.parametrize(
+    "num_numbers, lo, hi, target_max", [(2, 1, 4, 100), (2, 1, 9, 10), (3, 1, 3, 100), (3, 1, 1, 100)]
+)
+def test_instance_capacity_bounds_what_can_be_drawn(num_numbers, lo, hi, target_max):
+    k = cd._gen_knobs(dict(num_numbers=num_numbers, number_min=lo, number_max=hi, target_max=target_max))
+    assert cd.instance_capacity(k) >= _instances_by_brute_force(num_numbers, lo, hi, target_max)
+
+
+@pytest.mark.parametrize("n", [49, 1_000_000])
+def test_more_rows_than_instances_fails_before_drawing(n, monkeypatch):
+    """1e6 rows from 2 numbers in 1..3 used to draw 1e8 times (100 attempts per row) before failing."""
+    monkeypatch.setattr(cd, "_random_solution", lambda *a: pytest.fail("drew an instance"))
+    with pytest.raises(ValueError, match=rf"countdown: {n} test instances asked \(num_test\) .* at most 48 distinct"):
+        make_rows(n, random.Random(0), "test", num_numbers=2, number_min=1, number_max=3)
+
+
+def test_capacity_leaves_out_the_other_splits_instances():
+    knobs = dict(num_numbers=2, number_min=1, number_max=1, target_max=5)  # 1 1 reaches only 1 and 2: bound 2**2 - 1
+    assert cd.instance_capacity(cd._gen_knobs(knobs)) == 3
+    test = make_rows(1, random.Random(0), "test", **knobs)
+    with pytest.raises(ValueError, match="allow at most 3 distinct instances, 1 of them excluded"):
+        make_rows(3, random.Random(0), "train", exclude={cd.instance_key(r) for r in test} | {"3 4 -> 7"}, **knobs)
+
+
+def test_a_run_of_draws_with_nothing_new_stops_generation(monkeypatch):
+    """1 1 makes 1 and 2 only (the bound allows 3): after those two the run of fruitless draws stops generation
+    (here after 200), not the budget of 100 draws per row asked."""
+    monkeypatch.setattr(cd, "MAX_STALL_ATTEMPTS", 200)
+    with pytest.raises(ValueError, match=r"no new instance in 200 draws after 2 of 3 with num_numbers=2"):
+        make_rows(3, random.Random(0), "test", num_numbers=2, number_min=1, number_max=1, target_max=3)
+
+
 def test_defaults_are_the_signature_defaults():
     env = Countdown()
     assert {"feedback": env.feedback, "use_all": env.use_all, "flag_repeats": env.flag_repeats} == cd.ENV_DEFAULTS

@@ -589,6 +589,70 @@ def test_impossible_request_says_what_to_change():
         make_rows(5, random.Random(0), "train", size=2, min_path=2, hole_prob=0.6, env_knobs={"slip_prob": 1.0})
 
 
+def _grids_by_brute_force(size: int, hole_prob: float, min_path: int) -> int:
+    """Every grid of '.', 'O', one 'S' and one 'G' (no holes when hole_prob is 0) with a path of >= min_path."""
+    import itertools
+
+    count = 0
+    for cells in itertools.product(".O" if hole_prob > 0 else ".", repeat=size * size):
+        for s, g in itertools.permutations(range(size * size), 2):
+            if cells[s] == "O" or cells[g] == "O":
+                continue
+            flat = list(cells)
+            flat[s], flat[g] = "S", "G"
+            grid = ["".join(flat[r * size : (r + 1) * size]) for r in range(size)]
+            path = solve(grid, divmod(s, size), divmod(g, size))
+            count += path is not None and len(path) >= min_path
+    return count
+
+
+@pytest.mark.parametrize("size, hole_prob, min_path", [(2, 0.2, 1), (2, 0.2, 2), (3, 0.3, 4), (3, 0.0, 3), (4, 0.0, 5)])
+def test_grid_capacity_counts_every_drawable_grid(size, hole_prob, min_path):
+    assert gw.grid_capacity(size, hole_prob, min_path) == _grids_by_brute_force(size, hole_prob, min_path)
+
+
+def test_grid_capacity_is_reached_by_the_generator():
+    """The count is what make_rows can draw: all 12 grids of size 2 with min_path 2, and not one more."""
+    rows = make_rows(12, random.Random(0), "test", size=2, min_path=2)
+    assert len({gw.instance_key(r) for r in rows}) == 12 == gw.grid_capacity(2, 0.2, 2)
+
+
+@pytest.mark.parametrize("n", [45, 1_000_000])
+def test_more_rows_than_grids_fails_before_drawing(n, monkeypatch):
+    """size 2 with 1e6 rows used to draw for ~2.9 h (200 attempts per row) before failing."""
+    monkeypatch.setattr(gw, "_random_grid", lambda *a: pytest.fail("drew a grid"))
+    with pytest.raises(
+        ValueError, match=rf"gridworld: {n} train grids asked \(num_train\) but size=2, hole_prob=0.2, "
+    ):
+        make_rows(n, random.Random(0), "train", size=2, min_path=1)
+    with pytest.raises(ValueError, match=r"allow at most 44 distinct grids: raise size"):
+        make_rows(n, random.Random(0), "test", size=2, min_path=1)
+
+
+def test_capacity_leaves_out_the_other_splits_grids():
+    test = make_rows(10, random.Random(0), "test", size=2, min_path=2)
+    seen = {gw.instance_key(r) for r in test} | {"S.O/..G"}  # a grid of another shape takes nothing
+    assert (
+        len(make_rows(2, random.Random(1), "train", exclude=seen, size=2, min_path=2, env_knobs={"slip_prob": 0})) == 2
+    )
+    with pytest.raises(ValueError, match="at most 12 distinct grids, 10 of them excluded"):
+        make_rows(3, random.Random(1), "train", exclude=seen, size=2, min_path=2)
+
+
+def test_train_demos_that_cannot_reach_the_goal_fail_before_drawing():
+    with pytest.raises(ValueError, match="min_path=6 is more than max_moves=5: no training demonstration"):
+        make_rows(1, random.Random(0), "train", size=4, min_path=6, env_knobs={"max_moves": 5})
+    assert len(make_rows(1, random.Random(0), "test", size=4, min_path=6, env_knobs={"max_moves": 5})) == 1
+
+
+def test_a_run_of_draws_with_nothing_new_stops_generation(monkeypatch):
+    """Always slipping with 2 moves, no training demo on a 2x2 grid reaches the goal: the run of fruitless draws
+    stops it (here after 300), not the budget of 200 draws per row asked."""
+    monkeypatch.setattr(gw, "MAX_STALL_ATTEMPTS", 300)
+    with pytest.raises(ValueError, match=r"no new grid in 300 draws after 0 of 12 .* slip_prob=1.0, max_moves=2"):
+        make_rows(12, random.Random(0), "train", size=2, min_path=2, env_knobs={"slip_prob": 1.0, "max_moves": 2})
+
+
 def test_defaults_are_the_signature_defaults():
     env = GridWorld()
     knobs = {"slip_prob": env.slip_prob, "max_moves": env.max_moves, "view": env.view, "look": env.look}

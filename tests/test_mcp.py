@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from agentrl import agent_api, agent_checks
+from agentrl import agent_api, agent_checks, mcp_server
 from conftest import tool_env
 from test_agent_api import make_repo, sh, snapshot
 
@@ -90,6 +90,43 @@ def test_tools_have_schemas_and_bad_arguments_are_structured_errors(repo):
     assert payload(calls["status"])["runs"] == []
     assert snapshot(repo) == before
     assert agent_api.experiment_names(repo) == []
+
+
+def test_tool_schemas_are_strict_and_publish_exactly_the_actions_arguments():
+    tools = {t.name: t for t in asyncio.run(mcp_server.server.list_tools())}
+    assert set(tools) == set(agent_api.ACTIONS)
+    for name, tool in tools.items():
+        assert tool.input_schema["additionalProperties"] is False, name
+        assert set(tool.input_schema["properties"]) == agent_api.ARGUMENTS[name], name
+
+
+def test_unknown_and_mistyped_tool_arguments_are_refused_as_the_python_api_refuses_them(repo, monkeypatch):
+    """Issue 45 item 6: the SDK's argument model dropped `overides` (the baseline ran, is_error false) and read
+    start_queue "yes" as true (a queue worker started). In-process through the server's own call path (the
+    transport aside), with DVC replaced by a recorder: every call is refused with the agent API's JSON error and
+    nothing runs."""
+    ran = []
+    monkeypatch.setattr(agent_api, "_stream", lambda root, cmd, run: ran.append(cmd) or (1, ""))
+    monkeypatch.setattr(agent_api, "_dvc", lambda root, *args, check=True: ran.append(args))
+    monkeypatch.setattr(mcp_server, "ROOT", str(repo))
+    cases = [
+        ("run_experiment", {"overides": {"seed": 3}}, "unknown_argument", "overides"),
+        ("run_experiment", {"mode": "queue", "name": "q", "start_queue": "yes"}, "wrong_type", "start_queue"),
+        ("run_experiment", {"overrides": '{"seed": 3}'}, "wrong_type", "overrides"),  # JSON in a string stays text
+        ("run_experiment", {"overrides": {}, "name": 7}, "wrong_type", "name"),
+        ("evaluate", {"n": 4.0}, "wrong_type", "n"),
+        ("evaluate", {"n": "4"}, "wrong_type", "n"),
+        ("list_experiments", {"all_commits": 1}, "wrong_type", "all_commits"),
+        ("compare", {"a": "workspace", "b": "workspace", "stage_": "sft"}, "unknown_argument", "stage_"),
+        ("describe", {"verbose": True}, "unknown_argument", "verbose"),
+        ("status", {"all": True}, "unknown_argument", "all"),
+    ]
+    for tool, args, type_, key in cases:
+        result = asyncio.run(mcp_server.server.call_tool(tool, args))
+        out = payload(result)
+        assert result.is_error and (out["error"]["type"], out["error"]["key"]) == (type_, key), (tool, args, out)
+        assert out == agent_api.call(tool, args, root=repo)  # the same answer as a Python call
+    assert ran == []
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import yaml
 
 from agentrl.scratch import copy_repo
 from conftest import ROOT, accelerate_launch, mini_params, write_params
+from test_resume_kill import write_checkpoint
 
 
 def test_launch_environment_digest(workdir, monkeypatch):
@@ -81,7 +82,9 @@ def test_checkpoint_resumes_after_edits_outside_the_stage_code_only(stage, not_a
     monkeypatch.setattr(skeleton, "REPO", repo)
     monkeypatch.chdir(tmp_path)
     ckpt = tmp_path / "checkpoints"
-    args = SimpleNamespace(output_dir=str(ckpt), main_process_first=lambda **kw: contextlib.nullcontext())
+    args = SimpleNamespace(
+        output_dir=str(ckpt), save_only_model=False, main_process_first=lambda **kw: contextlib.nullcontext()
+    )
     params = validate_params(mini_params())
 
     def resumes_after(edit: str | None) -> bool:
@@ -91,9 +94,8 @@ def test_checkpoint_resumes_after_edits_outside_the_stage_code_only(stage, not_a
             f.write_text((f.read_text() if f.exists() else "") + "\n# edited\n")
         return skeleton.resume_checkpoint(args, params, stage, "params and inputs") is not None
 
-    def interrupted_run():  # a checkpoint of a run killed halfway, under the fingerprint written last
-        (ckpt / "checkpoint-2").mkdir()
-        (ckpt / "checkpoint-2/trainer_state.json").write_text('{"global_step": 2, "max_steps": 4}')
+    def interrupted_run():  # a complete checkpoint of a run killed halfway, under the fingerprint written last
+        write_checkpoint(ckpt, 2, max_steps=4)
 
     assert not resumes_after(None)  # nothing to resume yet; the fingerprint is written
     interrupted_run()

@@ -54,10 +54,8 @@ class FakeDVC:
         monkeypatch.setattr(agent_api, "_exp_rows", lambda root: [])
         monkeypatch.setattr(agent_api, "_read_metrics", lambda root, rev, diagnostics=False: {})
         monkeypatch.setattr(agent_api, "_check_params_reached", lambda root, rev, params, name: None)
-        real_resolve = agent_api._resolve
-        monkeypatch.setattr(
-            agent_api, "_resolve", lambda root, name, key: "0" * 40 if key == "name" else real_resolve(root, name, key)
-        )
+        monkeypatch.setattr(agent_api, "_experiment_rev", lambda root, name: "0" * 40)
+        monkeypatch.setattr(agent_api, "_git_revision", lambda root, name: None)  # no git here: no branch or tag
         import dvc.api
         import dvc.repo
         import dvc.scm
@@ -451,10 +449,9 @@ def test_venv_dvc_repro_with_the_system_python_first_on_path(tmp_path):
 
 # ------------------------------------------------------------------------------ 10. finished checkpoints
 def fake_checkpoint(d: Path, step: int, max_steps: int) -> Path:
-    c = d / f"checkpoint-{step}"
-    c.mkdir(parents=True)
-    (c / "trainer_state.json").write_text(json.dumps({"global_step": step, "max_steps": max_steps}))
-    return c
+    from test_resume_kill import write_checkpoint  # a complete one: every file the Trainer's resume reads
+
+    return write_checkpoint(d, step, max_steps)
 
 
 def test_a_finished_checkpoint_is_not_resumed(tmp_path):

@@ -410,8 +410,9 @@ def test_tiny_temperature_is_greedy_not_a_500(server):
 
 
 def test_request_body_limit_is_413_and_big_prompts_do_not_block_the_event_loop(server):
-    """A body over 1 MiB is refused with 413 at once; a large prompt under it is tokenized off the event
-    loop: /health keeps answering while it is being processed."""
+    """A body over 1 MiB is refused with 413 at once; a large prompt under it is refused (413) from its cost
+    before it is tokenized (Engine.check_cost: more characters than the context can hold; it used to take the
+    tokenizer thread for seconds), and /health keeps answering meanwhile."""
     from agentrl.serving.errors import MAX_REQUEST_BYTES
 
     t0 = time.time()
@@ -437,9 +438,11 @@ def test_request_body_limit_is_413_and_big_prompts_do_not_block_the_event_loop(s
                 await asyncio.sleep(0.02)
             return await task, latencies
 
+    t0 = time.time()
     r, latencies = asyncio.run(go())
-    assert r.status_code == 413 and "context" in r.text  # the prompt does not fit the model: named, not a 500
-    assert latencies and max(latencies) < 0.5, latencies
+    assert r.status_code == 413 and r.json()["detail"][0]["loc"] == ["body", "text"], r.text[:300]
+    assert "characters" in r.text and time.time() - t0 < 5  # named, not a 500, and not tokenized
+    assert max(latencies, default=0.0) < 0.5, latencies
 
 
 def test_user_text_is_never_parsed_as_control_tokens(server, tiny_model_dir):

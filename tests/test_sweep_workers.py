@@ -260,6 +260,118 @@ def test_storage_errors_name_the_storage(tmp_path, spec, error):
         sweep_worker.open_storage(spec.format(tmp=tmp_path))
 
 
+@pytest.mark.parametrize(
+    "content, spec, error",
+    [
+        (b"hello\nworld\n", "{f}", "not an Optuna journal file (JSONDecodeError"),
+        (b'{"a": 1}\n', "{f}", "not an Optuna journal file (KeyError"),
+        (b"\xff\xfe\n", "{f}", "not an Optuna journal file (UnicodeDecodeError"),
+        (b"root:x:0:0:root:/root:/bin/bash\n", "sqlite:///{f}", "not a readable Optuna database (file is not a"),
+        (None, "{f}", "no such journal file (no worker has written it yet?)"),
+        (None, "sqlite:///{f}", "{f} does not exist (no worker has written it yet?)"),
+    ],
+)
+def test_reading_a_storage_that_is_not_a_study_names_it_and_creates_nothing(tmp_path, content, spec, error):
+    """Issue 45 item 14: status/dashboard on a file that is not an Optuna journal or database stop with an error
+    naming STORAGE (a traceback before); a missing journal or SQLite file is not created empty."""
+    f = tmp_path / "storage"
+    if content is not None:
+        f.write_bytes(content)
+    spec = spec.format(f=f)
+    with pytest.raises(SystemExit, match=re_escape(f"STORAGE {spec}: {error.format(f=f)}")):
+        sweep_worker.open_storage(spec, create=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["storage"] if content is not None else [])
+    if content is not None:
+        assert f.read_bytes() == content
+
+
+def test_status_on_a_password_file_prints_no_traceback(tmp_path):
+    r = subprocess.run([*WORKER, "status", "--storage", "sqlite:////etc/passwd"], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip() == "STORAGE sqlite:////etc/passwd: not a readable Optuna database (file is not a database)"
+
+
+def test_make_sweep_targets_quote_their_variables(tmp_path):
+    """Issue 45 item 14: STUDY, SPACE, STORAGE reach the script as one argument each, never the shell: a value with
+    `;`, spaces and quotes runs nothing (make -n shows one word per value; the real target runs no `touch`)."""
+    import shlex
+
+    marker = tmp_path / "marker"
+    hostile = f"x; touch {marker}; echo 'q' \"d\""
+    storage = str(tmp_path / "no such dir" / "s.journal")
+    variables = [f"STUDY={hostile}", f"SPACE={hostile}", f"STORAGE={storage}", f"GIT_REMOTE={hostile}", "KIND=grid"]
+    for target, flag in (("sweep-worker", "--name"), ("sweep-status", "--name"), ("sweep-grid", "--space")):
+        r = subprocess.run([*MAKE, "-n", target, *variables], cwd=ROOT, capture_output=True, text=True)
+        words = shlex.split(r.stdout.replace("\\\n", " ").splitlines()[-1])
+        assert words[words.index(flag) + 1] == hostile, (target, r.stdout)
+    r = subprocess.run(
+        [*MAKE, "sweep-status", f"VENV={sys.prefix}", *variables],
+        cwd=ROOT,
+        env=tool_env(None),
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode and f"STORAGE {storage}: directory" in r.stderr, r.stderr[-2000:]
+    assert not marker.exists()
+
+
+def test_a_study_name_that_makes_no_valid_experiment_name_is_refused_before_the_study_exists(tmp_path):
+    """STUDY prefixes every trial's experiment name: one `dvc exp run --name` would refuse (or that git would read
+    as a revision) stops the worker before the shared study is created, naming the flag."""
+    storage = tmp_path / "s.journal"
+    for name in ("x; id", "a..b", "x\n", "sub/dir", ".hidden"):
+        r = subprocess.run(
+            [*WORKER, "worker", "optuna", "--storage", str(storage), "--name", name, "--no-push"],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 1 and r.stderr.startswith(f"--name {name!r}: names its experiments"), r.stderr[-2000:]
+    assert not storage.exists()
+
+
+def test_dashboard_refuses_foreign_hosts_and_changes_without_its_token(tmp_path):
+    """Issue 45 item 13: `DELETE /api/studies/0` with `Host: attacker.example` (DNS rebinding) wiped the shared
+    study. Behind DashboardGuard: a foreign Host is refused; read-only by default; with a token a change needs it
+    (Bearer, or the SameSite cookie the printed `/?token=` URL sets)."""
+    import optuna
+    from werkzeug.test import Client
+
+    storage = sweep_worker.open_storage(str(tmp_path / "s.journal"))
+    study_id = optuna.create_study(study_name="shared", storage=storage)._study_id
+
+    def studies() -> list[str]:
+        return [s.study_name for s in optuna.get_all_study_summaries(storage)]
+
+    url = f"/api/studies/{study_id}"
+    here = {"Host": "127.0.0.1:8080"}
+    read_only = Client(sweep_worker.dashboard_app(storage, 8080))
+    assert read_only.get("/api/studies", headers=here).status_code == 200
+    assert read_only.get("/api/studies", headers={"Host": "localhost"}).status_code == 200
+    for host in ("attacker.example", "attacker.example:8080", "127.0.0.1.attacker.example", "127.0.0.1:9999"):
+        r = read_only.delete(url, headers={"Host": host})
+        assert r.status_code == 403 and "not this dashboard's address" in r.text, (host, r.text)
+        assert read_only.get("/api/studies", headers={"Host": host}).status_code == 403
+    r = read_only.delete(url, headers=here)
+    assert r.status_code == 403 and "read-only" in r.text
+    assert studies() == ["shared"]
+
+    token = "t" * 32
+    writable = Client(sweep_worker.dashboard_app(storage, 8080, token))
+    for headers in (
+        here,
+        {**here, "Authorization": "Bearer wrong"},
+        {"Host": "attacker.example", "Authorization": f"Bearer {token}"},
+    ):
+        assert writable.delete(url, headers=headers).status_code == 403, headers
+    assert writable.get("/?token=wrong", headers=here).status_code == 403
+    r = writable.get(f"/dashboard?token={token}", headers=here)
+    assert r.status_code == 303 and r.headers["Location"] == "/dashboard"
+    assert "SameSite=Strict" in r.headers["Set-Cookie"] and "HttpOnly" in r.headers["Set-Cookie"]
+    assert studies() == ["shared"]
+    assert writable.delete(url, headers=here).status_code == 204  # the cookie the token URL set
+    assert studies() == []
+
+
 def re_escape(s: str) -> str:
     import re
 

@@ -43,14 +43,30 @@ import yaml
 
 from . import config
 from . import overrides as overrides_mod
-from .agent_checks import APIError, check_known, read_params, require, too_large, validate_overrides
+from .agent_checks import (
+    APIError,
+    check_experiment_name,
+    check_known,
+    read_params,
+    require,
+    too_large,
+    validate_overrides,
+)
 
 Progress = Optional[Callable[[float, Optional[float], str], None]]
 
 MODES = ("temp", "queue", "workspace")
 EVAL_STAGES = ("base", "sft", "grpo", "merged")
+# The arguments each action takes; any other is refused (unknown_argument). The MCP tools publish exactly these.
+ARGUMENTS: dict[str, set[str]] = {
+    "describe": set(),
+    "run_experiment": {"overrides", "name", "mode", "start_queue"},
+    "list_experiments": {"all_commits"},
+    "compare": {"a", "b", "stage"},
+    "evaluate": {"experiment", "stage", "n"},
+    "status": set(),
+}
 MODEL_CHAINS = {"base": ["base"], "sft": ["base", "sft"], "grpo": ["base", "sft", "grpo"], "merged": ["merged"]}
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 STATE_DIR = Path(".dvc") / "tmp" / "agentrl_agent"
 LOCK_TIMEOUT_S = 24 * 3600  # a run waits for the one before it rather than failing
 TAIL_CHARS = 3000
@@ -151,7 +167,8 @@ def _summary(metrics: dict) -> dict:
 
 
 def _resolve(root: Path, name: str, key: str) -> Optional[str]:
-    """Experiment name, git revision or "workspace" -> full commit sha (None for the workspace)."""
+    """Experiment name, git revision or "workspace" -> full commit sha (None for the workspace). A revision
+    must name a commit: `rev:path` and `:/message` syntax, trees and blobs (`HEAD^{tree}`) name no experiment."""
     if name == "workspace":
         return None
     if len(name) > 200 or name.startswith("-") or overrides_mod.CONTROL_RE.search(name):
@@ -161,17 +178,66 @@ def _resolve(root: Path, name: str, key: str) -> Optional[str]:
     from dvc.repo import Repo
     from dvc.scm import RevError, resolve_rev
 
+    def unknown(why: str) -> APIError:
+        known = sorted(e for e in experiment_names(root) if e)
+        return APIError(
+            "unknown_experiment",
+            f"{why}; experiments of this baseline: {known or 'none'} (or 'workspace', or a commit: a branch, "
+            "a tag, a sha, HEAD~1)",
+            key=key,
+        )
+
+    if ":" in name:  # git's path (`HEAD:params.yaml`) and commit-message (`:/text`) syntax
+        raise unknown(f"'{name}' is a file or message-search revision, not an experiment or commit")
     with Repo(str(root)) as repo:
         try:
-            return resolve_rev(repo.scm, name)
+            sha = resolve_rev(repo.scm, name)
         except RevError:
-            known = sorted(e for e in experiment_names(root) if e)
-            raise APIError(
-                "unknown_experiment",
-                f"no experiment or git revision named '{name}'; experiments of "
-                f"this baseline: {known or 'none'} (or 'workspace')",
-                key=key,
-            ) from None
+            raise unknown(f"no experiment or git revision named '{name}'") from None
+        kind = _object_kind(repo.scm, sha)
+    if kind != "commit":
+        raise unknown(f"'{name}' names a git {kind}, not an experiment or commit")
+    return sha
+
+
+def _object_kind(scm: Any, sha: str) -> str:
+    """'commit', 'tree', 'blob' or 'tag': the type of a git object (pygit2, the backend DVC reads with)."""
+    return type(scm.pygit2.repo.get(sha)).__name__.lower()
+
+
+def _git_revision(root: Path, name: str) -> Optional[str]:
+    """The commit `name` resolves to as a git revision (a branch, a tag, a remote, HEAD, a sha prefix), or None.
+    Experiments are not looked at: DVC resolves a git revision before an experiment of the same name."""
+    from dvc.repo import Repo
+    from dvc.scm import SCMError
+    from scmrepo.exceptions import RevError
+
+    try:
+        repo = Repo(str(root))
+    except SCMError:
+        raise APIError(
+            "not_a_pipeline_repo",
+            f"{root} is not a git repository: experiments are git refs (git init, commit the pipeline, then run)",
+            key="root",
+        ) from None
+    with repo:
+        try:
+            return repo.scm.resolve_rev(name)
+        except RevError:
+            return None
+
+
+def _experiment_rev(root: Path, name: str) -> str:
+    """The commit of the experiment `name` of this baseline, looked up among experiment refs only (a branch
+    or tag of the same name is never taken for it)."""
+    from dvc.repo import Repo
+    from dvc.repo.experiments.utils import resolve_name
+
+    with Repo(str(root)) as repo:
+        ref = resolve_name(repo.scm, name).get(name)
+        if ref is None:
+            raise APIError("run_failed", f"dvc exp run finished but wrote no experiment '{name}'", key=None, name=name)
+        return repo.scm.get_ref(str(ref))
 
 
 def _exp_rows(root: Path) -> list[dict]:
@@ -281,7 +347,7 @@ def _failed_stage(output: str) -> Optional[str]:
 
 
 def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Progress = None) -> dict:
-    check_known(args, {"overrides", "name", "mode", "start_queue"})
+    check_known(args, ARGUMENTS["run_experiment"])
     r = _root(root)
     overrides = require(args, "overrides", dict, {}, 'an object {"dotted.key": value}')
     mode = require(args, "mode", str, "temp")
@@ -291,14 +357,18 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
     name = require(args, "name", str, None)
     if name is None:
         name = f"agent-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    elif not NAME_RE.match(name) or ".." in name or name.endswith(".lock"):
-        raise APIError(
-            "invalid_value",
-            f"'name' must be letters, digits, '.', '_' or '-' (a git ref name), got '{name}'",
-            key="name",
-        )
+    else:
+        check_experiment_name(name)
     params, set_args, _ = validate_overrides(r, overrides)
     set_args = [x for arg in set_args for x in ("-S", arg)]  # each one `dvc exp run -S <arg>`
+    taken = _git_revision(r, name)
+    if taken:
+        raise APIError(
+            "invalid_value",
+            f"'name' {name!r} is already a git revision here (a branch, tag, remote or ref: commit {taken[:12]}); "
+            "an experiment of that name would be read back as that commit: choose another name",
+            key="name",
+        )
     if name in experiment_names(r) or _run_in_progress(r, name):
         raise APIError(
             "name_conflict",
@@ -333,7 +403,7 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
                     stage=_failed_stage(out),
                     name=name,
                 )
-            rev = _resolve(r, name, "name")
+            rev = _experiment_rev(r, name)
             _check_params_reached(r, rev, params, name)
             applied = False
             if mode == "workspace":
@@ -393,7 +463,7 @@ def _check_params_reached(root: Path, rev: Optional[str], params: dict, name: st
 
 # --------------------------------------------------------------------------------------- reading
 def describe(args: dict, root: Optional[str | Path] = None) -> dict:
-    check_known(args, set())
+    check_known(args, ARGUMENTS["describe"])
     r = _root(root)
     params = read_params(r)
     return {
@@ -407,7 +477,7 @@ def describe(args: dict, root: Optional[str | Path] = None) -> dict:
 
 
 def list_experiments(args: dict, root: Optional[str | Path] = None) -> dict:
-    check_known(args, {"all_commits"})
+    check_known(args, ARGUMENTS["list_experiments"])
     r = _root(root)
     import dvc.api
 
@@ -426,7 +496,10 @@ def _clean(row: dict) -> dict:
     return out
 
 
-def _correctness(root: Path, rev: Optional[str], stage: str) -> Optional[dict[str, bool]]:
+def _correctness(root: Path, rev: Optional[str], stage: str) -> tuple[Optional[dict[str, bool]], str]:
+    """({problem id: correct} of `stage`'s predictions, "") or (None, why they cannot be read)."""
+    from dvc_data.index import DataIndexError
+
     path = f"eval/{stage}/predictions.jsonl"
     try:
         if rev is None:
@@ -436,8 +509,11 @@ def _correctness(root: Path, rev: Optional[str], stage: str) -> Optional[dict[st
 
             text = DVCFileSystem(str(root), rev=rev).read_text(path)
     except FileNotFoundError:
-        return None
-    return {row["id"]: bool(row["correct"]) for row in (json.loads(x) for x in text.splitlines() if x.strip())}
+        return None, f"no {path}"
+    except DataIndexError:  # an older commit whose outputs are not in the local DVC cache
+        return None, f"{path} is not in the local DVC cache (dvc pull / dvc exp pull it)"
+    rows = (json.loads(x) for x in text.splitlines() if x.strip())
+    return {row["id"]: bool(row["correct"]) for row in rows}, ""
 
 
 def compare(args: dict, root: Optional[str | Path] = None) -> dict:
@@ -445,7 +521,7 @@ def compare(args: dict, root: Optional[str | Path] = None) -> dict:
     predictions when both evaluated the same problems."""
     from .compare import paired_test
 
-    check_known(args, {"a", "b", "stage"})
+    check_known(args, ARGUMENTS["compare"])
     r = _root(root)
     a = require(args, "a", str, what="an experiment name, a git revision or 'workspace'")
     b = require(args, "b", str, what="an experiment name, a git revision or 'workspace'")
@@ -461,11 +537,10 @@ def compare(args: dict, root: Optional[str | Path] = None) -> dict:
         "difference": {k: sb[k] - sa[k] for k in sa if k.endswith("_accuracy") and k in sb},
         "stage": stage,
     }
-    ca, cb = _correctness(r, ra, stage), _correctness(r, rb, stage)
+    (ca, why_a), (cb, why_b) = _correctness(r, ra, stage), _correctness(r, rb, stage)
     if ca is None or cb is None:
-        missing = [n for n, c in ((a, ca), (b, cb)) if c is None]
         out["paired_test"] = None
-        out["paired_test_reason"] = f"no eval/{stage}/predictions.jsonl in {missing}"
+        out["paired_test_reason"] = "; ".join(f"{why} in {n!r}" for n, why in ((a, why_a), (b, why_b)) if why)
     elif set(ca) != set(cb):
         out["paired_test"] = None
         out["paired_test_reason"] = (
@@ -481,7 +556,7 @@ def compare(args: dict, root: Optional[str | Path] = None) -> dict:
 def evaluate(args: dict, root: Optional[str | Path] = None, progress: Progress = None) -> dict:
     """Evaluate `stage`'s model of `experiment` on the first `n` held-out problems of that experiment, in a
     scratch copy (its params.yaml, test set and models) so that nothing of the workspace is written."""
-    check_known(args, {"experiment", "stage", "n"})
+    check_known(args, ARGUMENTS["evaluate"])
     r = _root(root)
     exp = require(args, "experiment", str, "workspace")
     stage = require(args, "stage", str, "grpo")
@@ -558,7 +633,7 @@ def _eval_worker(args: dict) -> dict:
 
 
 def status(args: dict, root: Optional[str | Path] = None) -> dict:
-    check_known(args, set())
+    check_known(args, ARGUMENTS["status"])
     r = _root(root)
     runs = []
     for f in sorted((_state_dir(r) / "runs").glob("*.json")):

@@ -79,6 +79,44 @@ def too_large(args: dict) -> Optional[tuple[str, str]]:
     return None
 
 
+# ------------------------------------------------------------------------------------ experiment names
+# An experiment name is a ref under refs/exps/ and the handle every later call (compare, evaluate, `dvc exp
+# apply`) resolves; DVC resolves git revisions before experiment names, so a name that also reads as a git
+# revision would stand for that commit, not the experiment. Checked in full (fullmatch: `$` would let "x\n" in).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+# git's own names at the top of .git (HEAD, FETCH_HEAD, ORIG_HEAD, MERGE_HEAD, ...: git resolves any all-caps
+# name there) and the stash, whether or not they exist yet
+PSEUDO_REF_RE = re.compile(r"[A-Z][A-Z_-]*|stash")
+# what git may read as an abbreviated commit id, now or after the next commit
+ABBREV_SHA_RE = re.compile(r"[0-9a-fA-F]{4,40}")
+
+
+def check_experiment_name(name: str) -> None:
+    """Refuse a name that is not a plain experiment name: git's ref-name rules (`git check-ref-format`, as
+    dulwich implements them, on the ref DVC writes), letters, digits, '.', '_' and '-' only (no revision
+    syntax: ~ ^ : @{ whitespace), and not a name git itself resolves (pseudo-refs, abbreviated commit ids).
+    Names of existing branches and tags are checked against the repository (agent_api).
+
+    Args:
+        name: the experiment name the caller gave.
+    """
+    from dulwich.refs import check_ref_format
+
+    why = ""
+    if not NAME_RE.fullmatch(name):
+        why = "must be letters, digits, '.', '_' or '-', starting with a letter or digit, at most 100 characters"
+    elif not check_ref_format(f"refs/exps/{name}".encode()):
+        why = "must be a valid git ref name (git check-ref-format: no '..', not ending in '.' or '.lock')"
+    elif PSEUDO_REF_RE.fullmatch(name):
+        why = "must not be one of git's own names (all-caps names such as HEAD, FETCH_HEAD, ORIG_HEAD; stash)"
+    elif ABBREV_SHA_RE.fullmatch(name):
+        why = "must not be 4 to 40 hex digits (git reads those as an abbreviated commit id)"
+    elif name == "workspace":
+        why = "must not be 'workspace' (compare and evaluate read that as the workspace)"
+    if why:
+        raise APIError("invalid_value", f"'name' {why}; got {name[:200]!r}", key="name")
+
+
 # ----------------------------------------------------------------------------------- overrides
 # Keys whose values are import paths (`module:attr`): an agent's override may name registry entries (checked by
 # config.validate_params without importing anything) or import paths the user's own params.yaml names at the
@@ -89,7 +127,7 @@ IMPORT_KEYS = ("agent.tools", "grpo.rewards", "agent.environment")
 PATH_KEYS = ("data.train_file", "data.test_file", "data.hub_dataset", "model.base_model", "serve.model_path")
 ACCELERATE_DIR = "configs/accelerate"
 # Keys only the user's params.yaml sets: where a model is served (its network exposure).
-RESERVED_KEYS = ("serve.host",)
+RESERVED_KEYS = ("serve.host", "agent.environment_url")  # the latter reaches the network with dataset rows
 # Pass-through (TRL/PEFT) arguments that reach the network, the filesystem or code: only the user's params.yaml
 # sets them (push_to_hub, hub_model_id, *_dir, *_path, accelerator_config, vllm_server_host, ...).
 PASSTHROUGH_SECTIONS = ("sft.trainer", "grpo.trainer", "sft.lora", "grpo.lora")

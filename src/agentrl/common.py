@@ -73,6 +73,7 @@ _EVAL_HEADLINE = (
     "tool_error_rate",
     "mean_turns",  # environment episodes (agent.environment): tool calls per episode, and the feedback-use
     "recovered_share",  # figure: share of solved episodes that recovered from a failed try
+    "accuracy_by_environment",  # a mixture of tasks (envs/mixture.py): n, accuracy and CI per task
 )
 HEADLINE: dict[str, tuple[str, ...]] = {
     "prepare": ("written", "tool_solution_share", "test_ceiling"),
@@ -88,6 +89,7 @@ HEADLINE: dict[str, tuple[str, ...]] = {
         "p_value",
         "sft_tool_use_rate",
         "grpo_tool_use_rate",
+        "grpo_vs_sft_by_environment",  # a mixture of tasks: the paired test per task
     ),
     "export": ("max_abs_logit_diff", "passed"),
     "quantize": ("int8_accuracy", "accuracy_delta", "int8_speed_ratio"),
@@ -210,35 +212,226 @@ def model_files_digest(directory: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def resumable_checkpoint(output_dir: str | Path, key: str) -> Optional[str]:
-    """The last checkpoint in output_dir if it was written by a run with the same fingerprint `key` and
-    training had not finished there; otherwise the directory is cleared: a changed config must not resume a
-    stale run, and a finished checkpoint (global_step >= max_steps in its trainer_state.json) is no run to
-    resume: the Trainer would take one step past max_steps and record it. The stage then trains from the start.
+# A checkpoint counts for resuming only once it is complete. Why validate rather than write atomically:
+# transformers' Trainer._save_checkpoint writes straight into checkpoint-<step>/ and offers no temporary name,
+# config or hook before it rotates older checkpoints away, so an atomic rename would mean overriding a private
+# Trainer method in both TRL trainers; a completion marker written from an on_save callback comes only after
+# that rotation (with save_total_limit 1 a kill in between would leave nothing to resume) and needs a barrier
+# across ranks. Checking what the Trainer's resume reads works for any checkpoint, however it was cut short.
+# The Trainer writes the weights, optimizer.pt and scheduler.pt (or DeepSpeed's global_step*/ shards),
+# scaler.pt, rng_state*.pth and trainer_state.json last; a kill before that last file leaves no parseable
+# trainer_state.json, and a file cut short (a kill inside a write, a full disk) fails its own check below.
+# Missing files matter even when the Trainer does not refuse them: without optimizer.pt, scheduler.pt or the
+# RNG state it resumes "successfully" with a fresh optimizer or other random draws, and other final weights.
 
-    With several processes call it inside `args.main_process_first(local=False)`: rank 0 clears a stale
-    directory and writes the new fingerprint before the other ranks look, so all ranks agree."""
+
+def _safetensors_problem(path: Path) -> Optional[str]:
+    """Why a .safetensors file is not whole (its 8-byte header length, JSON header and the data the header
+    lays out must all be there), or None."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "ends before its header"
+        header_len = int.from_bytes(head, "little")
+        if 8 + header_len > size:
+            return "ends inside its header"
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            return "has a header that is not JSON"
+    try:
+        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return "has a header that lays out no tensors"
+    return None if size >= 8 + header_len + data_end else f"holds {size} bytes, its header lays out more"
+
+
+def _torch_file_problem(path: Path) -> Optional[str]:
+    """Why a torch.save file (a zip archive) is not whole, or None. The zip's central directory is written
+    last, at the end of the file, so a file cut short anywhere has none; each member must lie inside the file."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return "is cut short (no zip central directory at its end)"
+    size = path.stat().st_size
+    if not members or any(m.header_offset + m.compress_size > size for m in members):
+        return "is cut short (its members reach past its end)"
+    return None
+
+
+def file_problem(path: Path) -> Optional[str]:
+    """Why a checkpoint file is not whole, judged by its format (.safetensors, torch.save's .pt/.pth/.bin,
+    .json), or None; a file of another kind counts when it exists.
+
+    Args:
+        path: the file.
+
+    Returns:
+        "<name> <what is wrong>", or None.
+    """
+    if not path.is_file():
+        return f"{path.name} is missing"
+    if path.suffix == ".safetensors":
+        problem = _safetensors_problem(path)
+    elif path.suffix in (".pt", ".pth", ".bin"):
+        problem = _torch_file_problem(path)
+    elif path.suffix == ".json":
+        try:
+            json.loads(path.read_bytes())
+            problem = None
+        except ValueError:
+            problem = "is cut short or not JSON"
+    else:
+        problem = None
+    return f"{path.name} {problem}" if problem else None
+
+
+def _weight_problem(checkpoint: Path) -> Optional[str]:
+    """Why the checkpoint holds no model weights the Trainer can load (_load_from_checkpoint accepts a weights
+    file, a sharded index whose shards are all there, adapter weights in the folder or a subfolder, or an FSDP
+    state), or None; a DeepSpeed checkpoint keeps its weights in its global_step*/ folder instead."""
+    from transformers.trainer import FSDP_MODEL_NAME
+    from transformers.utils import (
+        ADAPTER_SAFE_WEIGHTS_NAME,
+        ADAPTER_WEIGHTS_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    for index in (checkpoint / SAFE_WEIGHTS_INDEX_NAME, checkpoint / WEIGHTS_INDEX_NAME):
+        if index.is_file() and not file_problem(index):
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            missing = [s for s in shards if not (checkpoint / s).is_file()]
+            return f"{index.name} lists missing shards {missing}" if missing else None
+    names = (SAFE_WEIGHTS_NAME, WEIGHTS_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+    if any((checkpoint / n).is_file() for n in names) or any(checkpoint.glob(f"*/{ADAPTER_SAFE_WEIGHTS_NAME}")):
+        return None
+    if any(checkpoint.glob(f"{FSDP_MODEL_NAME}*")) or any(checkpoint.glob("global_step*")):
+        return None
+    return f"no model weights ({', '.join(names)}, a sharded index or an FSDP state)"
+
+
+def _optimizer_problem(checkpoint: Path) -> Optional[str]:
+    """Why the optimizer and scheduler state is not all there, or None: DeepSpeed's is the global_step*/ folder
+    its `latest` file names; otherwise optimizer.pt (or optimizer.bin, or an FSDP optimizer folder) and
+    scheduler.pt."""
+    from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME
+
+    if any(checkpoint.glob("global_step*")):
+        latest = checkpoint / "latest"  # DeepSpeed writes it after its model and optimizer files
+        if not latest.is_file() or not (checkpoint / latest.read_text().strip()).is_dir():
+            return "DeepSpeed's `latest` file is missing or names no global_step folder"
+        return None
+    has_optimizer = any((checkpoint / n).is_file() for n in (OPTIMIZER_NAME, OPTIMIZER_NAME_BIN)) or any(
+        d.is_dir() for d in checkpoint.glob("optimizer*")
+    )
+    if not has_optimizer:
+        return f"{OPTIMIZER_NAME} is missing"
+    return None if (checkpoint / SCHEDULER_NAME).is_file() else f"{SCHEDULER_NAME} is missing"
+
+
+def checkpoint_problem(checkpoint: str | Path, model_only: bool = False, extra_files: tuple = ()) -> Optional[str]:
+    """Why `checkpoint` cannot be resumed exactly as the Trainer wrote it, or None when it is complete:
+    trainer_state.json parses and records the folder's step, the weights, optimizer, scheduler and each
+    process's RNG state are there (the files Trainer._save_checkpoint writes), and no file in it is cut short.
+
+    Args:
+        checkpoint: a checkpoint-<step> folder.
+        model_only: the run saves with `save_only_model` (no optimizer, scheduler or RNG state to require).
+        extra_files: files the trainer writes after trainer_state.json (TRL's GRPO entropy controller state).
+
+    Returns:
+        What is missing or broken, naming the file, or None.
+    """
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    checkpoint = Path(checkpoint)
+    step = int(checkpoint.name.rsplit("-", 1)[1])
+    state = checkpoint / TRAINER_STATE_NAME
+    if problem := file_problem(state):
+        return problem + " (the Trainer writes it last: the save did not finish)"
+    recorded = json.loads(state.read_text())
+    recorded = recorded.get("global_step") if isinstance(recorded, dict) else recorded
+    if recorded != step:
+        return f"{TRAINER_STATE_NAME} records global_step {recorded}, not {step}"
+    rng = ["rng_state.pth"] if world_size() <= 1 else [f"rng_state_{rank}.pth" for rank in range(world_size())]
+    missing = [n for n in ([] if model_only else rng) + list(extra_files) if not (checkpoint / n).is_file()]
+    problem = _weight_problem(checkpoint) or (None if model_only else _optimizer_problem(checkpoint))
+    problem = problem or (f"{', '.join(missing)} missing" if missing else None)
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    return problem or next((p for p in map(file_problem, files) if p), None)
+
+
+def _last_complete_checkpoint(output_dir: Path, model_only: bool, extra_files: tuple) -> Optional[Path]:
+    """The newest complete checkpoint-<step> folder in output_dir, or None. Each newer, incomplete one is
+    skipped with a warning naming it and what it lacks, and removed (by rank 0) so that the Trainer saving that
+    step again writes into a clean folder and its checkpoint rotation never counts it."""
+    import re
     import shutil
 
-    from transformers.trainer_utils import get_last_checkpoint
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    name = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")  # the folders transformers' get_last_checkpoint counts
+    found = [(name.fullmatch(d.name), d) for d in output_dir.iterdir() if d.is_dir()]
+    steps = {int(m.group(1)): d for m, d in found if m}
+    for step in sorted(steps, reverse=True):
+        problem = checkpoint_problem(steps[step], model_only, extra_files)
+        if problem is None:
+            return steps[step]
+        logging.getLogger("agentrl").warning(
+            "%s is incomplete (%s): skipped and removed; resuming from an earlier checkpoint", steps[step], problem
+        )
+        if is_main_process():
+            shutil.rmtree(steps[step])
+    return None
+
+
+def resumable_checkpoint(
+    output_dir: str | Path, key: str, model_only: bool = False, extra_files: tuple = ()
+) -> Optional[str]:
+    """The last complete checkpoint in output_dir (checkpoint_problem; incomplete newer ones are removed with a
+    warning) if it was written by a run with the same fingerprint `key` and training had not finished there;
+    otherwise the directory is cleared: a changed config must not resume a stale run, and a finished checkpoint
+    (global_step >= max_steps in its trainer_state.json) is no run to resume: the Trainer would take one step
+    past max_steps and record it. The stage then trains from the start.
+
+    With several processes call it inside `args.main_process_first(local=False)`: rank 0 clears a stale
+    directory and writes the new fingerprint before the other ranks look, so all ranks agree.
+
+    Args:
+        output_dir: the stage's checkpoint directory (args.output_dir).
+        key: the fingerprint of what the run trains on (stage.resume_checkpoint).
+        model_only: the run saves with `save_only_model`: checkpoints hold no optimizer, scheduler or RNG state.
+        extra_files: files a complete checkpoint also holds (checkpoint_problem).
+
+    Returns:
+        The checkpoint folder to pass to trainer.train(resume_from_checkpoint=...), or None.
+    """
+    import shutil
 
     output_dir = Path(output_dir)
     stamp = output_dir / "fingerprint.txt"
     stale = output_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != key)
-    last = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() and not stale else None
-    state = Path(last or output_dir) / "trainer_state.json"
-    if last and state.is_file():
-        s = json.loads(state.read_text())
+    last = _last_complete_checkpoint(output_dir, model_only, extra_files) if output_dir.is_dir() and not stale else None
+    if last:
+        s = json.loads((last / "trainer_state.json").read_text())
         if 0 < int(s.get("max_steps") or 0) <= int(s.get("global_step") or 0):
             msg = "%s ends a finished run (max_steps reached): training from the start"
             logging.getLogger("agentrl").info(msg, last)
-            stale = True
+            stale, last = True, None
     if stale and is_main_process():
         shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_main_process():
-        stamp.write_text(key + "\n")
-    return get_last_checkpoint(str(output_dir))
+        with atomic_write(stamp) as f:  # a kill while writing it must not leave a stamp that matches nothing
+            f.write(key + "\n")
+    return str(last) if last else None
 
 
 def usable_cpus() -> int:

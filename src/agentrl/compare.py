@@ -89,6 +89,33 @@ def correctness(stage: str) -> dict[str, bool]:
     return {r["id"]: bool(r["correct"]) for r in load_jsonl(Path("eval") / stage / "predictions.jsonl")}
 
 
+def paired_by_environment(before: list[dict], after: list[dict], seed: int) -> dict[str, dict]:
+    """The paired test per task of a mixture (envs/mixture.py): predictions grouped by their `environment`.
+
+    Args:
+        before: the SFT predictions (`id`, `correct`, `environment`).
+        after: the GRPO predictions of the same problems.
+        seed: the bootstrap's seed.
+
+    Returns:
+        environment -> paired_test's result on its problems plus `sft_accuracy` and `grpo_accuracy` over them;
+        {} when the predictions carry no `environment` (a single task).
+    """
+    names = sorted({r["environment"] for r in before + after if "environment" in r})
+    out = {}
+    for name in names:
+        a = {r["id"]: bool(r["correct"]) for r in before if r.get("environment") == name}
+        b = {r["id"]: bool(r["correct"]) for r in after if r.get("environment") == name}
+        ids = set(a) & set(b)
+        test = paired_test(a, b, seed)
+        out[name] = {
+            "sft_accuracy": sum(a[i] for i in ids) / len(ids),
+            "grpo_accuracy": sum(b[i] for i in ids) / len(ids),
+            **test,
+        }
+    return out
+
+
 def main() -> None:
     params = load_params_or_exit()
     evals = {s: read_json(f"metrics/eval_{s}.json") for s in STAGES}
@@ -108,6 +135,9 @@ def main() -> None:
         # tool use before/after GRPO (absent when the pipeline runs without tools)
         **{f"{s}_{k}": evals[s][k] for s in ("sft", "grpo") for k in TOOL_KEYS if k in evals[s]},
     }
+    preds = {s: load_jsonl(Path("eval") / s / "predictions.jsonl") for s in ("sft", "grpo")}
+    if by_task := paired_by_environment(preds["sft"], preds["grpo"], params.seed):  # a mixture: per task
+        out["grpo_vs_sft_by_environment"] = by_task
     write_metrics("metrics/compare.json", out)
     with open("metrics/accuracy_by_stage.csv", "w", newline="") as f:
         w = csv.writer(f)

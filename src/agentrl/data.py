@@ -61,6 +61,7 @@ ADD_SOL = "{x}+{b}=<<{x}+{b}={y}>>{y}"
 SUB_SOL = "{x}-{b}=<<{x}-{b}={y}>>{y}"
 MUL_SOL = "{x}*{b}=<<{x}*{b}={y}>>{y}"
 MULTIPLIER_MAX = 5  # "b times as many": keeps products in a range a tiny model can learn
+MAX_STALL_ATTEMPTS = 10_000  # draws in a row with no new problem: the knobs' problems are used up
 
 
 def digit_line(x: int, op: str, b: int) -> str:
@@ -173,13 +174,14 @@ def generate_synthetic(
     seen: set[str] = set()
     rows: list[dict] = []
     target = num_train + num_test
-    attempts = 0
+    attempts = last_new = 0
     while len(rows) < target:
         attempts += 1
-        if attempts > 50 * target + 1000:
+        # the budget, or far sooner a long run of draws with nothing new (the default's longest is 1 draw)
+        if attempts > 50 * target + 1000 or attempts - last_new > MAX_STALL_ATTEMPTS:
             raise ValueError(
-                f"data.synthetic: could only generate {len(rows)} unique problems of {target} requested; "
-                "widen the operand range or ask for fewer"
+                f"data.synthetic: could only generate {len(rows)} unique problems of {target} requested "
+                f"(num_train + num_test) in {attempts - 1} draws; widen the operand range or ask for fewer"
             )
         row = _one_problem(
             rng,
@@ -195,6 +197,7 @@ def generate_synthetic(
         if row is None or row["question"] in seen:
             continue
         seen.add(row["question"])
+        last_new = attempts
         rows.append(row)
     train = rows[:num_train]
     style = random.Random(seed + 1)
@@ -256,9 +259,75 @@ class InputFileError(ValueError):
     """An input file that cannot be read as JSON lines at all; the message names the file."""
 
 
-def read_jsonl(path: str | Path) -> Iterator[RawRow]:
+# Size limits on input rows, far above any real problem (GSM8K's longest training row is 1.7 kB): a runaway row (a
+# 100 MB line once grew the `base` stage to 20 GB) is a bad row named by file and line, never read whole into memory.
+MAX_ROW_BYTES = 1 << 20  # one jsonl line, in bytes (newline included)
+MAX_FIELD_CHARS = 100_000  # a row's question or answer, in characters (every source: jsonl, gsm8k, synthetic)
+_SKIP_CHUNK = 1 << 20  # an oversized line's rest is read and discarded in pieces of this size
+
+
+def _bounded_lines(f, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """Each line of a binary file read with a bound: a line over `max_bytes` is skipped in bounded pieces, so no
+    line is ever held whole in memory.
+
+    Args:
+        f: a file opened in binary mode.
+        max_bytes: the longest line returned, newline included.
+
+    Returns:
+        An iterator of (1-based line number, the line's bytes, or None for a line longer than max_bytes).
+    """
+    number = 0
+    while True:
+        raw = f.readline(max_bytes + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) <= max_bytes:
+            yield number, raw
+            continue
+        while not raw.endswith(b"\n"):  # discard up to the end of the oversized line
+            raw = f.readline(_SKIP_CHUNK)
+            if not raw:
+                break
+        yield number, None
+
+
+def _json_row(text: str, source: str, line: int) -> object:
+    """One line's JSON value, with every failure of the parser caught (a syntax error, nesting too deep for the
+    decoder, an integer over Python's digit limit): no line can stop prepare past data.on_bad_rows.
+
+    Args:
+        text: the line.
+        source: the file, as a BadRow names it.
+        line: its 1-based line number.
+
+    Returns:
+        The decoded value, or a BadRow (invalid_json) naming file, line and what is wrong.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(source, line, "invalid_json", str(e))
+    except RecursionError:
+        return BadRow(source, line, "invalid_json", "nested too deeply for the JSON decoder; expected a flat object")
+    except ValueError as e:  # e.g. an integer literal of more than sys.get_int_max_str_digits() digits
+        return BadRow(source, line, "invalid_json", str(e).split(";")[0])
+
+
+def read_jsonl(path: str | Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[RawRow]:
     """Rows of a UTF-8 JSON-lines file (a UTF-8 BOM is allowed). A missing path, a directory, a file that is
-    not UTF-8 (UTF-16 is recognised by its BOM) or one with no row at all is an error naming the file."""
+    not UTF-8 (UTF-16 is recognised by its BOM) or one with no row at all is an error naming the file. A line
+    that is not JSON or is longer than `max_row_bytes` is a row whose data is a BadRow naming file and line
+    (data.on_bad_rows decides whether it stops prepare).
+
+    Args:
+        path: the jsonl file.
+        max_row_bytes: the longest line accepted, in bytes; longer ones are never read whole.
+
+    Returns:
+        An iterator of RawRow, one per non-blank line.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: file not found")
@@ -272,7 +341,12 @@ def read_jsonl(path: str | Path) -> Iterator[RawRow]:
         raise InputFileError(f"{path}: UTF-16 encoded; save it as UTF-8 JSON lines")
     rows = 0
     with path.open("rb") as f:
-        for i, raw in enumerate(f, 1):
+        for i, raw in _bounded_lines(f, max_row_bytes):
+            if raw is None:
+                rows += 1
+                detail = f"longer than {max_row_bytes:,} bytes; expected one problem per line"
+                yield RawRow(str(path), i, BadRow(str(path), i, "row_too_large", detail))
+                continue
             try:
                 line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
             except UnicodeDecodeError as e:
@@ -283,10 +357,7 @@ def read_jsonl(path: str | Path) -> Iterator[RawRow]:
             if not line.strip():
                 continue
             rows += 1
-            try:
-                yield RawRow(str(path), i, json.loads(line))
-            except json.JSONDecodeError as e:
-                yield RawRow(str(path), i, BadRow(str(path), i, "invalid_json", str(e)))
+            yield RawRow(str(path), i, _json_row(line, str(path), i))
     if not rows:
         raise InputFileError(f"{path}: no rows (the file is empty or holds only whitespace)")
 
@@ -303,6 +374,15 @@ def parse_row(raw: RawRow, split: str, strip_annotations: bool) -> Example | Bad
             return BadRow(raw.source, raw.line, "missing_field", key)
         if not isinstance(d[key], str) or not d[key].strip():
             return BadRow(raw.source, raw.line, "empty_value", key)
+        if len(d[key]) > MAX_FIELD_CHARS:
+            detail = f"{key} has {len(d[key]):,} characters; expected at most {MAX_FIELD_CHARS:,}"
+            return BadRow(raw.source, raw.line, "field_too_large", detail)
+        if not d[key].isascii():  # JSON's \ud800 escapes decode to lone surrogates, which no UTF-8 output can hold
+            try:
+                d[key].encode("utf-8")
+            except UnicodeEncodeError as e:
+                detail = f"{key} holds {d[key][e.start]!r} at character {e.start + 1}; expected UTF-8 text"
+                return BadRow(raw.source, raw.line, "invalid_text", detail)
     question, answer = d["question"].strip(), d["answer"].strip()
     if "####" not in answer:
         return BadRow(raw.source, raw.line, "missing_final_answer", "answer has no '####'")

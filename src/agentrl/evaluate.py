@@ -130,6 +130,7 @@ def score(
                 "correct": bool(ok[0]),
                 "reward": round(r_total[0], 6),
                 **({"samples": comps[1:], "samples_correct": ok[1:]} if len(comps) > 1 else {}),
+                **({"environment": row["environment"]} if "environment" in row else {}),  # a mixture's member
             }
         )
         if rollouts is not None:
@@ -167,7 +168,32 @@ def score(
     if k > 1:
         metrics[f"pass@{k}"] = pass_k / n
         metrics["majority_vote_accuracy"] = majority / n
+    if any("environment" in p for p in preds):  # a mixture of tasks: each task's own accuracy
+        metrics["accuracy_by_environment"] = accuracy_by_environment(preds)
     return metrics, preds
+
+
+def accuracy_by_environment(preds: list[dict]) -> dict[str, dict]:
+    """Accuracy per task of a mixture (envs/mixture.py): the predictions grouped by their row's `environment`.
+
+    Args:
+        preds: score()'s predictions, each with `id`, `correct` (first sample) and `environment`.
+
+    Returns:
+        environment -> {n, accuracy, accuracy_ci95 (Wilson 95%)}, sorted by name. ValueError naming the first
+        prediction without an `environment` (a mixture's rows all carry one).
+    """
+    groups: dict[str, list[bool]] = collections.defaultdict(list)
+    for p in preds:
+        if "environment" not in p:
+            raise ValueError(f"prediction {p.get('id')!r}: no 'environment', while other rows of the test set have one")
+        groups[p["environment"]].append(bool(p["correct"]))
+    out = {}
+    for name, flags in sorted(groups.items()):
+        lo, hi = wilson_interval(sum(flags), len(flags))
+        accuracy = sum(flags) / len(flags)
+        out[name] = {"n": len(flags), "accuracy": accuracy, "accuracy_ci95": [round(lo, 4), round(hi, 4)]}
+    return out
 
 
 def final_line(text: str) -> Optional[str]:

@@ -186,6 +186,9 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
     if hasattr(task, "ceiling"):  # what any policy can reach on the test rows (gridworld: slips end episodes)
         metrics["test_ceiling"] = task.ceiling(test, env, gen)
         log.info("environment %s: test ceiling %s", name, metrics["test_ceiling"])
+    # the generator package's version: the rows' lineage, on record (a mixture: its reasoning-gym member's rows)
+    if version := next((r["reasoning_gym_version"] for r in test if "reasoning_gym_version" in r), None):
+        metrics["reasoning_gym_version"] = version
     metrics["peak_rss_mb"] = peak_rss_mb()
     write_metrics(metrics_path, metrics)
     log.info("environment %s: wrote %d sft/rl train and %d test rows to %s", name, n_sft, n_test, out_dir)

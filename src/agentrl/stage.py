@@ -150,14 +150,32 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def files_written_after_trainer_state(args) -> tuple[str, ...]:
+    """Checkpoint files a TRL trainer writes after transformers' trainer_state.json, which a complete checkpoint
+    must also hold: GRPOTrainer's entropy controller state when GRPOConfig.use_adaptive_entropy is on (without
+    it the resumed run silently restarts the controller). SFTConfig has no such field.
+
+    Args:
+        args: the stage's trl.SFTConfig or trl.GRPOConfig.
+
+    Returns:
+        The file names (none for most runs).
+    """
+    return ("entropy_ctrl_state.json",) if getattr(args, "use_adaptive_entropy", False) else ()
+
+
 def resume_checkpoint(args, params: Params, stage: str, *inputs: Any) -> Optional[str]:
     """The checkpoint in args.output_dir to resume: its last one when it was written under the same
     fingerprint of `inputs` (the stage's params and the digests of its data and input models), the stage's
     code (code_digest) and its launch (run_environment_digest); otherwise None, the directory cleared
-    (common.resumable_checkpoint). Rank 0 settles this before the other ranks look."""
+    (common.resumable_checkpoint). Only a complete checkpoint counts: one a kill cut short inside its save is
+    removed with a warning naming it, and the run resumes from the one before (common.checkpoint_problem). Rank 0
+    settles this before the other ranks look."""
     key = fingerprint(*inputs, code_digest(stage, REPO), run_environment_digest(params))
     with args.main_process_first(local=False, desc="checkpoint fingerprint"):
-        resume = resumable_checkpoint(args.output_dir, key)
+        resume = resumable_checkpoint(
+            args.output_dir, key, args.save_only_model, files_written_after_trainer_state(args)
+        )
     if resume:
         get_logger(stage).info("resuming from %s", resume)
     return resume

@@ -14,85 +14,28 @@ Formats (`agent.format`):
 
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import functools
 import importlib
 import inspect
 import json
-import math
-import operator
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .envs import countdown, gridworld
+from .envs import mixture
+from .envs.calculator import (  # noqa: F401 - the calculator's names, re-exported where the loop always had them
+    MAX_EXPRESSION_CHARS,
+    MAX_MAGNITUDE,
+    MAX_NODES,
+    Calculator,
+    ToolError,
+    calculator,
+    format_number,
+)
+from .envs.registry import ENVIRONMENTS, TASKS, environment_tools  # noqa: F401 - re-exported
 
-MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_CHARS = 200  # a tool result longer than this is cut (what the policy reads back)
-MAX_MAGNITUDE = 1e15  # any operand or intermediate value beyond this is an error, not a huge number
-MAX_NODES = 64  # operators + numbers in one expression
-
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-
-
-class ToolError(ValueError):
-    """A tool refused its input; the message goes back to the policy as `error: <message>`."""
-
-
-def _eval(node: ast.AST) -> float:
-    if isinstance(node, ast.Expression):
-        return _eval(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        value = node.value
-    elif isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Div) and right == 0:
-            raise ToolError("division by zero")
-        value = _BINOPS[type(node.op)](left, right)
-    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        value = _UNARY[type(node.op)](_eval(node.operand))
-    else:
-        raise ToolError(f"unsupported element '{type(node).__name__}': only numbers, + - * / and parentheses")
-    if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
-        raise ToolError(f"value out of range (|x| <= {MAX_MAGNITUDE:.0e})")
-    return value
-
-
-def format_number(value: float) -> str:
-    """7.0 -> '7', 2.5 -> '2.5', 1/3 -> '0.333333' (at most 6 decimals, no trailing zeros)."""
-    if float(value).is_integer():
-        return str(int(value))
-    return f"{value:.6f}".rstrip("0").rstrip(".")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: numbers with + - * / and parentheses, e.g. "48/2" or "(3+4)*12".
-
-    Returns:
-        The value, e.g. "24".
-    """
-    if not isinstance(expression, str):
-        raise ToolError(f"expression must be a string, got {type(expression).__name__}")
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ToolError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-    text = expression.replace(",", "").replace("$", "").strip()
-    if not text:
-        raise ToolError("empty expression")
-    if "**" in text or "//" in text:
-        raise ToolError("unsupported operator: only + - * / and parentheses")
-    try:
-        tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise ToolError(f"not an arithmetic expression: {text[:40]!r}") from None
-    if sum(1 for _ in ast.walk(tree)) > MAX_NODES * 2:
-        raise ToolError(f"expression has more than {MAX_NODES} numbers and operators")
-    return format_number(_eval(tree))
-
 
 REGISTRY: dict[str, Callable[..., str]] = {"calculator": calculator}
 
@@ -211,61 +154,20 @@ class ChatFormat:
     def render_result(self, result: str) -> str:
         return self.render_results([result])
 
+    # Qwen3's tags are non-special added tokens (`split_special_tokens` does not split them) and <|...|> are control
+    # tokens: spelled inside a result they would tokenize as protocol, closing the response and forging a call. A
+    # space after the `<` keeps them text, as InlineFormat's results have `<<` -> `< <` (Episode.run).
+    _PROTOCOL_TAG = re.compile(r"<(?=/?(?:tool_call|tool_response|think)>|\|[^<>|\s]*\|>)")
+
     def render_results(self, results: list[str]) -> str:
         """The tool turn after a call turn: one user turn with a `<tool_response>` per result, as Qwen3's template
         renders consecutive tool messages (and TRL's loop appends them)."""
-        body = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results)
+        body = "".join(f"\n<tool_response>\n{self._PROTOCOL_TAG.sub('< ', r)}\n</tool_response>" for r in results)
         return f"\n<|im_start|>user{body}{self.eos_token}\n<|im_start|>assistant\n"
 
     def render_call(self, call: Call) -> str:
         body = json.dumps({"name": call.name or "calculator", "arguments": call.arguments})  # as Qwen3 renders it
         return f"<tool_call>\n{body}\n</tool_call>"
-
-
-class Calculator:
-    """The calculator as an environment in TRL's `environment_factory` shape: stateless, one tool. It is what
-    `agent.tools: [calculator]` runs (the embedded default)."""
-
-    def reset(self, **row) -> None:
-        return None
-
-    def calculator(self, expression: str) -> str:
-        """Evaluate an arithmetic expression.
-
-        Args:
-            expression: numbers with + - * / and parentheses, e.g. "48/2" or "(3+4)*12".
-
-        Returns:
-            The value, e.g. "24".
-        """
-        try:
-            return calculator(expression)
-        except ToolError as e:  # answered, not raised: TRL's loop would render a raise as "{'error': ...}"
-            return f"error: {str(e)[:120]}"
-
-
-ENVIRONMENTS: dict[str, type] = {
-    "calculator": Calculator,
-    "countdown": countdown.Countdown,
-    "gridworld": gridworld.GridWorld,
-}
-TASKS = {"countdown": countdown, "gridworld": gridworld}  # built-in environments that generate their own data (prepare)
-
-
-@functools.lru_cache(maxsize=256)
-def _tool_names(cls: type) -> tuple[str, ...]:
-    return tuple(
-        name
-        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if name not in ("reset", "get_reward") and not name.startswith("_")
-    )
-
-
-def environment_tools(env) -> dict[str, Callable[..., str]]:
-    """An environment's tools exactly as TRL's GRPOTrainer(environment_factory=...) finds them: the public
-    functions of its class other than `reset` and `get_reward`, bound to the instance (the names are looked up
-    once per class: one episode per completion makes this a hot path)."""
-    return {name: getattr(env, name) for name in _tool_names(type(env))}
 
 
 def functions_environment(names: list[str]) -> type:
@@ -303,6 +205,8 @@ def episode_solved(row: dict, text: str, env) -> Optional[bool]:
     answer is then matched against the row's ground truth, as for the calculator)."""
     if env is None:
         return None
+    if callable(getattr(env, "_episode_solved", None)):  # an environment over OpenEnv: its server applies the rule
+        return env._episode_solved(row, text)
     task = task_of(env)
     if task is not None:
         return bool(TASKS[task].correct(row, text, env))
@@ -359,13 +263,16 @@ class Episode:
         self.toolset = toolset
         self.observation: Optional[str] = None
         self.broken: Optional[str] = None
+        factory = toolset.factory_for(row)  # a mixture row without a member is a data error: raised, not an episode
         try:
-            self.env = toolset.factory()
+            self.env = factory()
             obs = _run_with_timeout(self.env.reset, dict(row or {}), toolset.timeout_s)  # a hung reset is an error too
             self.observation = None if obs is None else str(obs)
         except Exception as e:  # noqa: BLE001 - an environment's failure is data, never a crash
             self.env, self.broken = None, f"environment reset failed: {type(e).__name__}: {str(e)[:80]}"
         self.tools = environment_tools(self.env) if self.env is not None else {}
+        # the inline format's one tool: a mixture member's own (members may differ), else the toolset's
+        self.default_tool = next(iter(self.tools), "") if toolset.members else toolset.default_tool
 
     def run(self, call: "Call") -> tuple[str, bool]:
         ts = self.toolset
@@ -373,7 +280,7 @@ class Episode:
             return f"error: {self.broken}", False
         if call.name == "<invalid>":
             return f"error: {str(call.arguments.get('error', 'invalid call'))[:120]}", False
-        name = call.name or ts.default_tool
+        name = call.name or self.default_tool
         fn = self.tools.get(name)
         if fn is None:
             return f"error: unknown tool '{name[:40]}'; available: {', '.join(self.tools)}", False
@@ -417,16 +324,22 @@ class Toolset:
         eos_token: str = "<|im_end|>",
         environment: Optional[str] = None,
         env_kwargs: Optional[dict] = None,
+        env_class: Optional[type] = None,
     ):
         if environment and names:
             raise ValueError("agent.environment and agent.tools are both set: an environment brings its own tools")
         if not environment and not names:
             raise ValueError("agent.tools is empty: there is no tool to call")
         self.environment = environment or None
-        self.env_class = get_environment(environment) if environment else functions_environment(list(names))
+        # env_class: `environment` played elsewhere (agent.environment_url: its OpenEnv client class)
+        local_class = get_environment(environment) if environment else functions_environment(list(names))
+        self.env_class = env_class or local_class
         self.env_kwargs = dict(env_kwargs or {})
-        self.factory = functools.partial(self.env_class, **self.env_kwargs)
-        probe = self.factory()
+        # a mixture (envs/mixture.py): one factory per member, as TRL's environment_factory dict; each row's
+        # `environment` picks its episode's (factory_for)
+        self.members = mixture.member_factories(self.env_kwargs.get("members"), fmt) if environment == "mixture" else {}
+        self.factory = self.members or functools.partial(self.env_class, **self.env_kwargs)
+        probe = (next(iter(self.members.values())) if self.members else self.factory)()
         self.tools = environment_tools(probe)
         if not self.tools:
             raise ValueError(f"agent.environment: {self.env_class.__name__} has no public tool methods")
@@ -442,7 +355,11 @@ class Toolset:
         self.max_expression_chars = max_expression_chars
         self.timeout_s = timeout_s
         self.max_result_chars = MAX_RESULT_CHARS
-        self._stateless = Episode(self)  # for callers without rows (the server, `run`)
+        self._stateless = None if self.members else Episode(self)  # for callers without rows (the server, `run`)
+
+    def factory_for(self, row: Optional[dict]):
+        """The factory of the environment a row's episode runs: a mixture member's (the row's `environment`)."""
+        return mixture.member_factory(self.members, row) if self.members else self.factory
 
     def episode(self, row: Optional[dict] = None) -> Episode:
         return Episode(self, row)
@@ -454,6 +371,8 @@ class Toolset:
 
     def run(self, call: Call) -> tuple[str, bool]:
         """A call in a row-less episode shared by all callers (stateless tools: the calculator)."""
+        if self._stateless is None:
+            raise ValueError("agent.environment 'mixture': an episode needs its row's 'environment' (use episode(row))")
         return self._stateless.run(call)
 
 
@@ -467,6 +386,12 @@ def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Option
     if environment in TASKS:
         knobs = (env_params or {}).get(environment) or {}
         env_kwargs = {k: v for k, v in knobs.items() if k in TASKS[environment].ENV_DEFAULTS}
+    env_class = None
+    if getattr(agent, "environment_url", None):  # the episodes go over OpenEnv; the knobs go to the server
+        from .envs.openenv_client import environment_over_openenv
+
+        env_class = environment_over_openenv(agent.environment_url, environment, env_kwargs, agent.tool_timeout_s)
+        env_kwargs = {}
     return Toolset(
         list(agent.tools),
         agent.format,
@@ -476,6 +401,7 @@ def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Option
         eos_token=eos_token,
         environment=environment,
         env_kwargs=env_kwargs,
+        env_class=env_class,
     )
 
 
@@ -507,7 +433,7 @@ def split_annotated(
             call = Call("calculator", {"expression": m.group(1)})
         else:
             result, ok = episode.run(Call("", {"expression": m.group(1)}))
-            name = episode.toolset.default_tool
+            name = episode.default_tool
             param = _first_param(episode.tools.get(name)) if episode.tools.get(name) else None
             call, ok = Call(name, {param or "expression": m.group(1)}), True
         if not ok:  # an annotation the calculator cannot evaluate: the policy writes that step itself

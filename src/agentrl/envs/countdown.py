@@ -16,6 +16,7 @@ training demos include near-miss failed tries (other expressions over the same n
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections import Counter
@@ -43,6 +44,7 @@ SPLITS = ("train", "test")
 MAX_CHARS = 100  # longer tool arguments / answers are refused before parsing (bounds work and nesting depth)
 MAX_NUMBERS = 8  # a row may give at most this many numbers
 NEAR_MISS_SAMPLES = 30  # random expressions drawn to find a demo's near-miss tries
+MAX_STALL_ATTEMPTS = 10_000  # draws in a row with no new instance: the knobs' instances are used up
 DIGITS = "0123456789"  # ASCII only: str.isdigit() also accepts e.g. '２' or '٣'
 _PREC_ATOM, _PREC_MUL, _PREC_ADD = 3, 2, 1
 
@@ -405,6 +407,59 @@ def _near_misses(numbers: list[int], target: int, k: int, rng: random.Random) ->
     return rng.sample(pool, min(k, len(pool)))
 
 
+def _expression_orders(num_numbers: int) -> int:
+    """How many ways `_random_solution` can combine `num_numbers` numbers (an ordered pair and one of 4 operators per
+    step): no instance has more distinct targets than this."""
+    return 1 if num_numbers <= 1 else num_numbers * (num_numbers - 1) * 4 * _expression_orders(num_numbers - 1)
+
+
+def instance_capacity(k: dict) -> int:
+    """An upper bound on the distinct instances (number multiset, target) `make_rows` can draw with the knobs `k`:
+    the multisets of num_numbers numbers from number_min..number_max, times the targets one multiset can have (at
+    most target_max, the expression orders, and (number_max + 1) ** num_numbers - 1, above any value + - * / reach).
+
+    Args:
+        k: the generation knobs (checked by _gen_knobs).
+
+    Returns:
+        The bound.
+    """
+    count = k["num_numbers"]
+    multisets = math.comb(k["number_max"] - k["number_min"] + count, count)
+    targets = min(k["target_max"], _expression_orders(count), (k["number_max"] + 1) ** count - 1)
+    return multisets * targets
+
+
+def _drawable(key: str, k: dict) -> bool:
+    """Whether an instance_key ('3 5 8 -> 24') is an instance these knobs can draw (excluding it leaves one fewer)."""
+    numbers, _, target = key.partition(" -> ")
+    values = numbers.split()
+    if len(values) != k["num_numbers"] or not target.isdigit() or not all(v.isdigit() for v in values):
+        return False
+    return 1 <= int(target) <= k["target_max"] and all(k["number_min"] <= int(v) <= k["number_max"] for v in values)
+
+
+def check_capacity(n: int, split: str, k: dict, exclude: set) -> None:
+    """ValueError, before any draw, when `n` distinct instances cannot exist with the knobs `k` once `exclude` is
+    left out (instead of drawing until the attempt budget runs out).
+
+    Args:
+        n: rows asked.
+        split: "train" or "test" (named in the message: environments.countdown.num_<split>).
+        k: the generation knobs (checked by _gen_knobs).
+        exclude: instance_key()s that may not be drawn.
+    """
+    capacity = instance_capacity(k)
+    taken = sum(_drawable(key, k) for key in exclude) if n > capacity - len(exclude) else 0
+    if n > capacity - taken:
+        other = f", {taken} of them excluded (the other split's)" if taken else ""
+        raise ValueError(
+            f"countdown: {n} {split} instances asked (num_{split}) but num_numbers={k['num_numbers']}, numbers "
+            f"{k['number_min']}..{k['number_max']}, target_max={k['target_max']} allow at most {capacity} distinct "
+            f"instances{other}: widen the number range, raise num_numbers or target_max, or ask for fewer"
+        )
+
+
 def make_rows(
     n: int,
     rng: random.Random,
@@ -425,10 +480,18 @@ def make_rows(
     k = _gen_knobs(gen_knobs)
     env = Countdown(**{**ENV_DEFAULTS, **(env_knobs or {})})
     seen = set(exclude)
+    check_capacity(n, split, k, seen)
     rows: list[dict] = []
-    attempts, max_attempts = 0, 1000 + 100 * n
+    attempts, max_attempts, last_new = 0, 1000 + 100 * n, 0
     while len(rows) < n:
         attempts += 1
+        if attempts - last_new > MAX_STALL_ATTEMPTS:
+            raise ValueError(
+                f"countdown: no new instance in {MAX_STALL_ATTEMPTS} draws after {len(rows)} of {n} with "
+                f"num_numbers={k['num_numbers']}, numbers {k['number_min']}..{k['number_max']}, "
+                f"target_max={k['target_max']}: the instances these knobs draw are used up; widen the number range, "
+                "raise target_max, or ask for fewer"
+            )
         if attempts > max_attempts:
             raise ValueError(
                 f"countdown: only {len(rows)} of {n} distinct instances found in {max_attempts} attempts with "
@@ -444,6 +507,7 @@ def make_rows(
         if key in seen:
             continue
         seen.add(key)
+        last_new = attempts
         failed = rng.randint(1, k["max_failed_tries"]) if split == "train" and rng.random() < k["hard_share"] else 0
         tries = (_near_misses(numbers, target, failed, rng) if failed else []) + [solution]
         # drawn only when the knob is on, so that direct_share 0 leaves every other draw (and row) as it was

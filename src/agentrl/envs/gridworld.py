@@ -57,6 +57,8 @@ CELLS = ".SGO"  # free, start, goal, hole
 MAX_SIZE = 16  # a row's grid may be at most this many rows and columns
 MAX_DIRECTION_CHARS = 20  # longer tool arguments are refused before any string work
 MAX_ATTEMPTS_PER_ROW = 200
+MAX_STALL_ATTEMPTS = 10_000  # draws in a row with no new row: the knobs' grids are used up (default's longest: 54)
+MAX_ENUMERATED = 5_000  # grid_capacity counts exactly up to this many (hole pattern, goal) pairs, else bounds
 
 
 # ----------------------------------------------------------------------------------- rows
@@ -433,6 +435,65 @@ def instance_key(row: dict) -> str:
     return "/".join(_instance(row)[0])
 
 
+def grid_capacity(size: int, hole_prob: float, min_path: int) -> int:
+    """How many distinct grids `make_rows` can draw with these knobs: exact (every hole pattern and S, G pair whose
+    shortest path is at least min_path) for grids of up to 3x3 or without holes, else the upper bound
+    cells * (cells - 1) * 2**(cells - 2) (S and G anywhere, each other cell a hole or not).
+
+    Args:
+        size: the grid is size x size.
+        hole_prob: > 0 lets any other cell be a hole; 0 gives the one empty grid per S, G pair.
+        min_path: the shortest S -> G path's least length.
+
+    Returns:
+        The number of distinct grids (an upper bound for large grids with holes).
+    """
+    cells = [(r, c) for r in range(size) for c in range(size)]
+    hole_patterns = 2 ** len(cells) if hole_prob > 0 else 1
+    if hole_patterns * len(cells) > MAX_ENUMERATED:
+        return len(cells) * (len(cells) - 1) * 2 ** (len(cells) - 2)
+    count = 0
+    for mask in range(hole_patterns):
+        grid = ["".join("O" if mask >> (r * size + c) & 1 else "." for c in range(size)) for r in range(size)]
+        for goal in cells:
+            if grid[goal[0]][goal[1]] != "O":  # every start that reaches this goal far enough away is one grid
+                count += sum(d >= min_path for d in distances(grid, goal).values())
+    return count
+
+
+def _drawable(key: str, k: dict) -> bool:
+    """Whether an instance_key is a grid these generation knobs can draw (so excluding it leaves one fewer)."""
+    grid = key.split("/")
+    if len(grid) != k["size"] or any(len(line) != k["size"] for line in grid) or (k["hole_prob"] == 0 and "O" in key):
+        return False
+    ends = {ch: [(r, c) for r, line in enumerate(grid) for c, x in enumerate(line) if x == ch] for ch in "SG"}
+    if len(ends["S"]) != 1 or len(ends["G"]) != 1:
+        return False
+    path = solve(grid, ends["S"][0], ends["G"][0])
+    return path is not None and len(path) >= k["min_path"]
+
+
+def check_capacity(n: int, split: str, k: dict, exclude: set) -> None:
+    """ValueError, before any draw, when `n` distinct grids cannot exist with the knobs `k` once `exclude` is left
+    out (size 2 allows at most 12 grids with min_path 2: asking 1e6 used to draw for hours before failing).
+
+    Args:
+        n: rows asked.
+        split: "train" or "test" (named in the message: environments.gridworld.num_<split>).
+        k: the generation knobs (checked by _gen_knobs).
+        exclude: instance_key()s that may not be drawn.
+    """
+    capacity = grid_capacity(k["size"], k["hole_prob"], k["min_path"])
+    taken = sum(_drawable(key, k) for key in exclude) if n > capacity - len(exclude) else 0
+    if n > capacity - taken:
+        other = f", {taken} of them excluded (the other split's)" if taken else ""
+        raise ValueError(
+            f"gridworld: {n} {split} grids asked (num_{split}) but size={k['size']}, hole_prob={k['hole_prob']}, "
+            f"min_path={k['min_path']} allow at most {capacity} distinct grids{other}: raise size or hole_prob, "
+            f"lower min_path, or ask for fewer"
+        )
+
+
 def _random_grid(k: dict, rng: random.Random) -> Optional[tuple[list[str], tuple, tuple]]:
     size = k["size"]
     cells = [(r, c) for r in range(size) for c in range(size)]
@@ -490,11 +551,24 @@ def make_rows(
         raise ValueError(f"gridworld: n must be a non-negative integer, got {n!r}")
     k = _gen_knobs(gen_knobs)
     env = GridWorld(**{**ENV_DEFAULTS, **(env_knobs or {})})
+    if split == "train" and k["min_path"] > env.max_moves:
+        raise ValueError(
+            f"gridworld: min_path={k['min_path']} is more than max_moves={env.max_moves}: no training demonstration "
+            "can reach the goal; raise max_moves or lower min_path"
+        )
     seen = set(exclude)
+    check_capacity(n, split, k, seen)
     rows: list[dict] = []
-    attempts, max_attempts = 0, 1000 + MAX_ATTEMPTS_PER_ROW * n
+    attempts, max_attempts, last_new = 0, 1000 + MAX_ATTEMPTS_PER_ROW * n, 0
     while len(rows) < n:
         attempts += 1
+        if attempts - last_new > MAX_STALL_ATTEMPTS:
+            raise ValueError(
+                f"gridworld: no new grid in {MAX_STALL_ATTEMPTS} draws after {len(rows)} of {n} with size={k['size']}, "
+                f"hole_prob={k['hole_prob']}, min_path={k['min_path']}, slip_prob={env.slip_prob}, "
+                f"max_moves={env.max_moves}: the grids these knobs draw are used up (or their demos cannot reach the "
+                "goal); raise size, lower min_path or slip_prob, or ask for fewer"
+            )
         if attempts > max_attempts:
             raise ValueError(
                 f"gridworld: only {len(rows)} of {n} grids found in {max_attempts} attempts with size={k['size']}, "
@@ -513,6 +587,7 @@ def make_rows(
         if split == "train" and not env.reached:
             continue  # the reference policy fell or ran out of moves with this seed: no demo to learn from
         seen.add(key)
+        last_new = attempts
         rows.append(
             {
                 "question": question(grid),

@@ -197,12 +197,11 @@ async def _chat_prompt(e: Engine, req: ChatRequest, sampling: Sampling, plan: Op
     kw = None
     if plan is not None and e.format == "chat":
         kw = {**e.template_kwargs, "tools": plan.template_tools()}
-    if e.format == "chat":  # what the template renders itself (tools, call arguments) must not spell control tokens
-        specials = [t for t in e.encoder.all_special_tokens if t]
+    if e.format == "chat":  # what the template renders itself (tools, call arguments) must not spell protocol tokens
         for where, value in [("tools", plan.template_tools() if plan else [])] + [
             (f"messages.{i}.tool_calls", m["tool_calls"]) for i, m in enumerate(messages) if m["tool_calls"]
         ]:
-            hit = control_token_in(value, specials)
+            hit = control_token_in(value, e.protocol)
             if hit:
                 raise ApiError(
                     where, f"contains the control token {hit!r}, which the chat template would not keep as text"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,21 +29,64 @@ from ..config import AgentParams, ServeParams
 from ..modeling import load_model, load_tokenizer
 from ..tools import toolset_from_params
 from .errors import ApiError, ClientGone
-from .openai_tools import ToolPlan, open_inline_call
+from .openai_tools import ToolPlan, inline_call_end
 from .schema import MIN_TEMPERATURE
 
 log = logging.getLogger(__name__)
 
 
 # -------------------------------------------------------------------------------- prompts
+def protocol_tokens(tokenizer) -> list[str]:
+    """The text of every added token, special or not, longest first: what must never come out of a message's
+    content. `split_special_tokens` splits only the special ones, but Qwen3's `<tool_call>` and
+    `</tool_response>` are non-special added tokens, matched wherever they are spelled."""
+    return sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.content}, key=len, reverse=True)
+
+
+def _plain_pieces(text: str, protocol: Optional[re.Pattern]) -> list[str]:
+    """`text` cut so that no piece spells a protocol token: each spelled one is cut after its first character
+    (`a</tool_response>` -> `a<`, `/tool_response>`), so it is tokenized as the text it is."""
+    if protocol is None:
+        return [text]
+    pieces, pos = [], 0
+    while (m := protocol.search(text, pos)) is not None:
+        pieces.append(text[pos : m.start() + 1])
+        pos = m.start() + 1
+    pieces.append(text[pos:])
+    return [p for p in pieces if p]
+
+
+def encode_plain(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text as plain text: never a protocol token (protocol_tokens), in one batched
+    tokenizer call (linear in the total length, however many texts).
+
+    Args:
+        tokenizer: a fast transformers tokenizer.
+        texts: message contents, tool results.
+
+    Returns:
+        One list of ids per text."""
+    protocol = protocol_tokens(tokenizer)
+    pattern = re.compile("|".join(map(re.escape, protocol))) if protocol else None
+    cut = [_plain_pieces(t, pattern) for t in texts]
+    flat = [p for pieces in cut for p in pieces]
+    enc = tokenizer(flat, add_special_tokens=False, split_special_tokens=True)["input_ids"] if flat else []
+    out, k = [], 0
+    for pieces in cut:
+        out.append([i for ids in enc[k : k + len(pieces)] for i in ids])
+        k += len(pieces)
+    return out
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None) -> list[int]:
-    """Token ids of a chat prompt where message contents can never become control tokens.
+    """Token ids of a chat prompt where message contents can never become protocol tokens.
 
     The chat template is rendered with a unique marker in place of each content; the template's own
     text between markers is tokenized normally (its <|im_start|> etc. are control tokens), each content
-    with split_special_tokens=True (a user's `<|im_start|>` is plain text). A template that rewrites
-    contents (so markers do not come back verbatim) falls back to tokenizing the rendered prompt,
-    refusing content that spells a special token."""
+    as plain text (encode_plain: a user's `<|im_start|>` or `</tool_response>` is text). The markers are found
+    in one pass, so the cost is linear in the prompt (a search per message was quadratic in their number). A
+    template that rewrites contents (so markers do not come back verbatim) falls back to tokenizing the
+    rendered prompt, refusing content that spells a protocol token."""
     tag = uuid.uuid4().hex
     # an empty content keeps its place (a template tests it: an assistant turn of tool calls only)
     marks = [f"\x00{tag}:{i}\x00" if m["content"] else "" for i, m in enumerate(messages)]
@@ -50,31 +94,22 @@ def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: Optional[d
     rendered = tokenizer.apply_chat_template(
         [{**m, "content": mk} for m, mk in zip(messages, marks)], add_generation_prompt=True, tokenize=False, **kw
     )
-    pieces, pos = [], 0
-    for mk in marks:
-        if not mk:
-            pieces.append("")
-            continue
-        at = rendered.find(mk, pos)
-        if at < 0 or rendered.count(mk) != 1:
-            return _fallback_prompt_ids(tokenizer, messages, kw)
-        pieces.append(rendered[pos:at])
-        pos = at + len(mk)
-    ids: list[int] = []
-    for piece, m in zip(pieces, messages):
-        if piece:
-            ids += tokenizer.encode(piece, add_special_tokens=False)
-        if m["content"]:
-            ids += tokenizer.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
-    if rendered[pos:]:
-        ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
+    split = re.split(f"\x00{tag}:(\\d+)\x00", rendered)  # [template, index, template, index, ..., template]
+    template, found = split[0::2], split[1::2]
+    if found != [str(i) for i, mk in enumerate(marks) if mk]:  # each content once, in order
+        return _fallback_prompt_ids(tokenizer, messages, kw)
+    template_ids = tokenizer(template, add_special_tokens=False)["input_ids"]
+    content_ids = encode_plain(tokenizer, [m["content"] for m in messages if m["content"]])
+    ids = list(template_ids[0])
+    for content, after in zip(content_ids, template_ids[1:]):
+        ids += content + after
     return ids
 
 
 def _fallback_prompt_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None) -> list[int]:
-    specials = [t for t in tokenizer.all_special_tokens if t]
+    protocol = protocol_tokens(tokenizer)
     for i, m in enumerate(messages):
-        hit = next((t for t in specials if t in m["content"]), None)
+        hit = next((t for t in protocol if t in m["content"]), None)
         if hit:
             raise ApiError(
                 f"messages.{i}.content",
@@ -152,6 +187,11 @@ class Engine:
         self.encoder, self.tokenizer = load_tokenizer(model_path), load_tokenizer(model_path)
         self.model = load_model(model_path, dtype).to("cuda" if torch.cuda.is_available() else "cpu").eval()
         self.context = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        # the most characters one token of plain text spells (its vocabulary string is at least as long; added
+        # tokens never come out of a content): more than context x this many characters cannot fit (check_cost)
+        added = set(self.encoder.added_tokens_decoder)
+        self.longest_token = max(len(t) for t, i in self.encoder.get_vocab().items() if i not in added)
+        self.protocol = protocol_tokens(self.encoder)  # added tokens, special or not: never spelled by a client
         # the tools the policy was trained with (params.yaml agent.*): calls run server-side, in the same loop
         # as GRPO rollouts and evaluation, bounded by agent.max_tool_calls and agent.max_expression_chars; a
         # built-in environment with its knobs from params.environments, as in training and evaluation
@@ -181,12 +221,13 @@ class Engine:
         starts the assistant's new text."""
         if not 1 <= max_tokens <= self.cfg.max_tokens_limit:
             raise ApiError("max_tokens", f"must be between 1 and {self.cfg.max_tokens_limit}, got {max_tokens}")
+        self.check_cost(messages, continuation, field_text)
         kw = self.template_kwargs if template_kwargs is None else template_kwargs
 
         def encode() -> list[int]:
             ids = chat_prompt_ids(self.encoder, messages, kw)
-            for text, _model in continuation:
-                ids += self.encoder.encode(text, add_special_tokens=False, split_special_tokens=True)
+            for seg_ids in encode_plain(self.encoder, [text for text, _model in continuation]):
+                ids += seg_ids
             if prefix:
                 ids += self.encoder.encode(prefix, add_special_tokens=False)
             return ids
@@ -201,6 +242,27 @@ class Engine:
                 code="context_length_exceeded",
             )
         return ids
+
+    def check_cost(self, messages: list[dict], continuation: tuple[tuple[str, bool], ...], field: str) -> None:
+        """Refuses (413) a prompt that cannot fit the model context before any tokenizing, from what costs
+        nothing to count: each message is at least one token, and a token spells at most `longest_token`
+        characters. (The 1 MiB body limit alone let 26,000 one-character messages take the tokenizer thread.)
+
+        Args:
+            messages: the chat messages ({role, content, ...}).
+            continuation: the open assistant turn's (text, is_model_text) segments.
+            field: the request field named in the error."""
+        most_chars = self.context * self.longest_token
+        chars = sum(len(m["content"]) for m in messages) + sum(len(text) for text, _ in continuation)
+        if len(messages) > self.context or chars > most_chars:
+            raise ApiError(
+                field,
+                f"{len(messages)} messages, {chars} characters: more than the model context of {self.context} "
+                f"tokens can hold (at most {self.context} messages and {most_chars} characters, since each message "
+                f"is at least one token and a token spells at most {self.longest_token} characters)",
+                status=413,
+                code="context_length_exceeded",
+            )
 
     # ---- generation (model thread)
     def until_eos(self, ids: list[int]) -> list[int]:
@@ -219,7 +281,7 @@ class Engine:
         tok = self.tokenizer
         s = jobs[0].sampling
         stopped_by: dict[int, int] = {}  # job -> tokens it took to produce a stop string
-        called: set[int] = set()  # jobs that ended at an opened inline call
+        called: dict[int, int] = {}  # jobs that ended at an inline call -> characters of their text up to its `=`
 
         def hook(i: int, _sample: int, completion_ids: list[int]) -> bool:
             job = jobs[i]
@@ -229,9 +291,11 @@ class Engine:
             if not (job.sampling.stop or job.on_text or watch_call):
                 return False
             text = tok.decode(self.until_eos(completion_ids), skip_special_tokens=True)
-            if watch_call and open_inline_call(job.prefix + text) is not None:
-                called.add(i)
-                return True
+            if watch_call:
+                end = inline_call_end(job.prefix + text)
+                if end is not None:
+                    called[i] = end - len(job.prefix)
+                    return True
             text, stopped = _cut_at_stop(text, job.sampling.stop)
             if stopped:
                 stopped_by[i] = len(completion_ids)
@@ -265,6 +329,8 @@ class Engine:
                 n = toks.index(tok.eos_token_id)
                 toks, lp = toks[:n], lp[:n]
             text = tok.decode(toks, skip_special_tokens=True)
+            if i in called:  # the call's `=` may end inside a merged token (`=<<`): what follows is not this turn's
+                text = text[: called[i]]
             if job.sampling.stop:
                 cut, stopped = _cut_at_stop(text, job.sampling.stop)
                 if stopped:

@@ -39,6 +39,8 @@ MAX_TOOLS_JSON = 64 * 1024  # characters of all tools' JSON together (the prompt
 MAX_SCHEMA_DEPTH = 16  # nesting of a function's `parameters` (objects and arrays)
 MAX_SCHEMA_NODES = 2000  # objects, arrays and values in one function's `parameters`
 MAX_DESCRIPTION = 4096
+MAX_ARGUMENTS_CHARS = 32 * 1024  # one tool call's `arguments` (a JSON object as a string), client's or model's
+MAX_ARGUMENTS_DEPTH = 16  # nesting of those arguments (objects and arrays), as MAX_SCHEMA_DEPTH
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # as OpenAI
 CALL_OPENERS = {"inline": "<<", "chat": "<tool_call>\n"}
 
@@ -154,6 +156,52 @@ class ToolRequestError(ValueError):
         self.param, self.message = param, message
 
 
+# ------------------------------------------------------------------------------- bounded JSON
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(raw: str) -> int:
+    """How deeply `raw` nests objects and arrays (brackets inside strings do not count), in one linear pass, so
+    a hostile depth is measured before `json.loads` recurses into it (RecursionError)."""
+    depth = deepest = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', raw)):
+        depth += 1 if m.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def load_bounded_json(
+    raw: str, param: str, max_chars: int = MAX_ARGUMENTS_CHARS, max_depth: int = MAX_ARGUMENTS_DEPTH
+) -> Any:
+    """`raw` parsed as JSON, bounded before any parsing: at most `max_chars` characters and `max_depth` levels of
+    nesting; its strings must be valid Unicode (an escaped lone surrogate, `"\\ud800"`, decodes to a string no
+    tokenizer can encode).
+
+    Args:
+        raw: the JSON text (a client's tool-call arguments, or the policy's call).
+        param: the request field it came from, named in the error.
+        max_chars: the longest text accepted.
+        max_depth: the deepest nesting accepted.
+
+    Returns:
+        The parsed value. Raises ToolRequestError (param, what was expected) for anything else."""
+    if len(raw) > max_chars:
+        raise ToolRequestError(param, f"is {len(raw)} characters; at most {max_chars}")
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise ToolRequestError(param, f"nests {depth} levels deep; at most {max_depth}")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ToolRequestError(param, "must be a JSON object (as a string): not valid JSON") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ToolRequestError(param, f"invalid Unicode: a lone surrogate escape at character {e.start}") from None
+    return value
+
+
 # --------------------------------------------------------------------------------------- plan
 @dataclass
 class ToolPlan:
@@ -233,10 +281,7 @@ def plan_tools(
 
 # ------------------------------------------------------------------------------ conversation
 def _args(raw: str, param: str) -> dict:
-    try:
-        args = json.loads(raw)
-    except ValueError:
-        raise ToolRequestError(param, "must be a JSON object (as a string)") from None
+    args = load_bounded_json(raw, param)
     if not isinstance(args, dict):
         raise ToolRequestError(param, f"must be a JSON object, got {type(args).__name__}")
     return args
@@ -359,6 +404,25 @@ def open_inline_call(text: str) -> Optional[str]:
     return None if call is None else call.arguments["expression"]
 
 
+_INLINE_CALL = re.compile(r"<<([^<>=]*)=")
+
+
+def inline_call_end(text: str) -> Optional[int]:
+    """Where the first inline call of a completion closes (the index just after its `=`), else None.
+
+    The first `<<expr=`, not the last `<<`: a merged token such as `=<<` closes one call and opens the next in
+    one step (`<<21-10` + `=<<`), so checking only whether the text *ends* with an open call misses it, and a
+    forced opener (tool_choice required/named) then came back as content (`<<21-10=`) next to a later call.
+
+    Args:
+        text: the assistant turn generated so far, the forced opener (ToolPlan.prefix) included.
+
+    Returns:
+        The end of the call's `=`, or None while no call is closed."""
+    m = _INLINE_CALL.search(text)
+    return None if m is None else m.end()
+
+
 def safe_prefix(text: str, plan: ToolPlan) -> str:
     """The part of `text` (generated so far) that is content whatever comes next: streaming holds back a
     possible call opener, so content deltas never contain what becomes a tool call."""
@@ -395,12 +459,12 @@ def parse_calls(text: str, plan: ToolPlan, called: bool) -> tuple[Optional[str],
         return text, []
     calls = []
     for b in blocks:
-        try:
-            payload = json.loads(b.group(1))
+        try:  # the policy's text is bounded like a client's: a runaway nesting is no call, never a 500
+            payload = load_bounded_json(b.group(1), "tool_call")
             name, args = payload["name"], payload.get("arguments", {})
             if isinstance(args, str):
-                args = json.loads(args)
-        except (ValueError, KeyError, TypeError, AttributeError):
+                args = load_bounded_json(args, "tool_call.arguments")
+        except (ToolRequestError, KeyError, TypeError, AttributeError):
             return text, []  # not a call: the text is the content, as OpenAI-compatible servers return it
         if not isinstance(name, str) or name not in plan.functions or not isinstance(args, dict):
             return text, []
@@ -417,8 +481,16 @@ def _call(name: str, arguments: str) -> dict:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def control_token_in(value: Any, specials: list[str]) -> Optional[str]:
-    """The first special token spelled inside a JSON-like value (tools and call arguments that a chat template
-    renders as its own text, where a control token would be one), else None."""
+def control_token_in(value: Any, protocol: list[str]) -> Optional[str]:
+    """The first protocol token spelled inside a JSON-like value (tools and call arguments that a chat template
+    renders as its own text, where a protocol token would be one), else None.
+
+    Args:
+        value: what the template renders (the tools, an assistant message's tool calls).
+        protocol: the tokenizer's added tokens, special or not (engine.protocol_tokens): Qwen3's `<tool_call>`
+            and `</tool_response>` are non-special, yet tokenize as protocol tokens wherever they are spelled.
+
+    Returns:
+        The token's text, or None."""
     text = json.dumps(value, ensure_ascii=False)
-    return next((t for t in specials if t in text), None)
+    return next((t for t in protocol if t in text), None)

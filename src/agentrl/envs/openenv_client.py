@@ -1,0 +1,397 @@
+"""An environment served over OpenEnv (agentrl.env_server) as a class in TRL's `environment_factory` shape (issue 42).
+
+`remote_environment_class(url)` asks the server for its tools (openenv-core's `GenericEnvClient`, WebSocket
+`state`) and returns a class with `reset(**row)`, one method per server tool with the tool's real signature and
+docstring (so TRL's GRPOTrainer(environment_factory=...) and our loop render and call the same tools as in-process)
+and `get_reward()` when the served environment has one. Each instance is one OpenEnv session (one WebSocket), opened
+at its first reset and reused by later resets (TRL pools its instances).
+
+Nothing hangs: connecting and every message have a timeout. A server that refuses, hangs or answers malformed JSON
+is an `OpenEnvError` naming the URL when the class is made (the stage's start) and at reset; mid-episode a tool
+answers `error: openenv server <url>: ...` and the episode's session is dropped.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import concurrent.futures
+import inspect
+import json
+import select
+import subprocess
+import sys
+import threading
+import typing
+from typing import Any, Optional
+
+JUDGE_TOOL = "_episode_solved"  # the server's action that answers "solved" by the environment's own rule
+MAX_MESSAGE_BYTES = 1 << 20  # one WebSocket message (a reset row, a step): uvicorn refuses bigger ones
+STARTUP_TIMEOUT_S = 60.0  # `serve`: the server subprocess must print its URL within this
+
+# the names a served tool's annotation may use (parsed, never evaluated: the server's text is data)
+_TYPE_NAMES: dict[str, Any] = {
+    "str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict, "tuple": tuple,
+    "None": None, "Any": typing.Any, "Optional": typing.Optional, "Union": typing.Union, "Literal": typing.Literal,
+    "List": typing.List, "Dict": typing.Dict, "Tuple": typing.Tuple,
+}  # fmt: skip
+
+
+class OpenEnvError(RuntimeError):
+    """An OpenEnv server could not be reached or answered something unusable; the message names its URL."""
+
+
+_LOOP: list = []  # one event loop thread for every client of this process (not one thread per episode)
+_LOOP_LOCK = threading.Lock()
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    with _LOOP_LOCK:
+        if not _LOOP:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="openenv-client").start()
+            _LOOP.append(loop)
+        return _LOOP[0]
+
+
+def _run(coro, timeout_s: float):
+    """The coroutine's result, run on the shared loop.
+
+    Args:
+        coro: the coroutine.
+        timeout_s: the deadline; past it the coroutine is cancelled and TimeoutError raised.
+
+    Returns:
+        What the coroutine returned.
+    """
+    future = asyncio.run_coroutine_threadsafe(coro, _loop())
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"no answer within {timeout_s:g} s") from None
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, json.JSONDecodeError):
+        return f"answered malformed JSON ({e})"
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return f"no answer within the timeout ({e or 'timed out'})"
+    return f"{type(e).__name__}: {e}"
+
+
+class Session:
+    """One OpenEnv WebSocket session through openenv-core's GenericEnvClient, with a deadline on every call."""
+
+    def __init__(self, url: str, timeout_s: float):
+        from openenv.core import GenericEnvClient
+
+        self.url, self.timeout_s = url, timeout_s
+        self.client = GenericEnvClient(
+            base_url=url,
+            connect_timeout_s=timeout_s,
+            message_timeout_s=timeout_s,
+            max_message_size_mb=MAX_MESSAGE_BYTES / 2**20,
+        )
+
+    def call(self, what: str, coro_fn, *args, **kwargs):
+        """`await coro_fn(*args, **kwargs)` after connecting; any failure closes the session.
+
+        Args:
+            what: the stage of the episode, for the error ("reset", "tool 'check'").
+            coro_fn: a coroutine method of the GenericEnvClient (reset, step, state).
+
+        Returns:
+            What it returned; OpenEnvError naming the URL and `what` on any failure.
+        """
+
+        async def connected():
+            await self.client.connect()
+            return await coro_fn(*args, **kwargs)
+
+        try:  # connect + one message, each with its own timeout inside; this deadline covers both
+            return _run(connected(), 2 * self.timeout_s + 1)
+        except Exception as e:  # noqa: BLE001 - every transport failure becomes one error that names the server
+            self.close()
+            raise OpenEnvError(f"openenv server {self.url}: {what}: {_why(e)}") from e
+
+    def close(self) -> None:
+        """Ends the session: OpenEnv's `close` message, then the server closes the socket. (GenericEnvClient's
+        disconnect closes it from this side at once, and the server's own close then fails with a logged error.)"""
+
+        async def bye():
+            ws = self.client._ws
+            if ws is None:
+                return
+            try:
+                await self.client._send({"type": "close"})
+                await asyncio.wait_for(ws.wait_closed(), self.timeout_s)
+            finally:
+                await self.client.disconnect()  # a no-op once the server closed; closes a socket it left open
+
+        try:
+            _run(bye(), 2 * self.timeout_s + 1)
+        except Exception:  # noqa: BLE001 - closing a broken connection is best effort; the server drops it anyway
+            pass
+
+
+def describe(url: str, timeout_s: float) -> dict:
+    """The server's environment and tools (its OpenEnv `state`), checked for the fields a client needs.
+
+    Args:
+        url: the server's http:// or ws:// URL.
+        timeout_s: seconds for connecting and for the answer.
+
+    Returns:
+        The state: environment, class_name, knobs, has_reward, tools.
+    """
+    session = Session(url, timeout_s)
+    try:
+        state = session.call("reading its tools (state)", session.client.state)
+    finally:
+        session.close()
+    tools = state.get("tools") if isinstance(state, dict) else None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+        raise OpenEnvError(
+            f"openenv server {url}: its state has no 'tools' list of {{name, doc, parameters}}: not an agentrl "
+            f"environment server (python -m agentrl.env_server); got keys {sorted(state or {})[:10]}"
+        )
+    return state
+
+
+def _annotation(text: Optional[str], where: str):
+    """A served annotation's text as a type, built from _TYPE_NAMES only.
+
+    Args:
+        text: the annotation as the server wrote it ("str", "Optional[int]"), or None.
+        where: the server and tool, for the error.
+
+    Returns:
+        The type (inspect.Parameter.empty when there is none).
+    """
+    if text is None:
+        return inspect.Parameter.empty
+
+    def build(node):
+        if isinstance(node, ast.Name) and node.id in _TYPE_NAMES:
+            return _TYPE_NAMES[node.id]
+        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float, bool))):
+            return node.value
+        if isinstance(node, ast.Tuple):
+            return tuple(build(e) for e in node.elts)
+        if isinstance(node, ast.Subscript):
+            return build(node.value)[build(node.slice)]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            return typing.Union[build(node.left), build(node.right)]
+        raise ValueError(f"unsupported element {ast.dump(node)[:60]}")
+
+    try:
+        return build(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as e:
+        raise OpenEnvError(f"{where}: annotation {text!r} is not a plain type ({e})") from None
+
+
+def _tool_method(spec: dict, url: str):
+    """A method that calls a served tool on the instance's session, with the tool's real signature and doc.
+
+    Args:
+        spec: the tool as the server's state lists it (name, doc, parameters, returns).
+        url: the server, for errors.
+
+    Returns:
+        The function, to be set on the class under the tool's name.
+    """
+    name = spec["name"]
+    where = f"openenv server {url}: tool '{name}'"
+    if not name.isidentifier() or name.startswith("_") or name in ("reset", "get_reward"):
+        raise OpenEnvError(f"{where}: not a usable tool name")
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for p in spec.get("parameters") or []:
+        default = p.get("default", inspect.Parameter.empty)
+        ann = _annotation(p.get("annotation"), where)
+        params.append(
+            inspect.Parameter(p["name"], inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=ann)
+        )
+    returns = _annotation(spec.get("returns"), where)
+    signature = inspect.Signature(params, return_annotation=returns)
+
+    def tool(self, *args, **kwargs):
+        if args:  # positional arguments are named by the signature; keyword arguments go as they are (the server's
+            bound = signature.bind_partial(self, *args, **kwargs).arguments  # method reports any mismatch itself)
+            kwargs = {k: v for k, v in bound.items() if k != "self"}
+        return self._call(name, kwargs)
+
+    tool.__name__ = tool.__qualname__ = name
+    tool.__doc__ = spec.get("doc")
+    tool.__signature__ = signature
+    tool.__annotations__ = {p.name: p.annotation for p in params[1:] if p.annotation is not p.empty}
+    if returns is not inspect.Parameter.empty:
+        tool.__annotations__["return"] = returns
+    return tool
+
+
+class RemoteEnvironment:
+    """Base of the classes remote_environment_class makes: one OpenEnv session per instance. Its own members are
+    private (a public function would be a tool to TRL); the tools and get_reward are added per server."""
+
+    url: str = ""
+    timeout_s: float = 10.0
+    environment: str = ""
+
+    def __init__(self):
+        self._session: Optional[Session] = None
+        self._reward: Optional[float] = None
+        self._lost: Optional[str] = "no episode: reset was not called"
+
+    def reset(self, **row) -> Optional[str]:
+        try:
+            json.dumps(row)
+        except (TypeError, ValueError) as e:
+            raise OpenEnvError(f"openenv server {self.url}: reset: the row is not JSON ({e})") from None
+        if self._session is None:
+            self._session = Session(self.url, self.timeout_s)
+        try:
+            result = self._session.call("reset", self._session.client.reset, **row)
+        except OpenEnvError as e:
+            self._session, self._lost = None, str(e)
+            raise
+        self._reward, self._lost = result.reward, None
+        return result.observation.get("text")
+
+    def _step(self, tool: str, arguments: dict):
+        """The server's StepResult for one action; OpenEnvError (session dropped) when the episode is lost."""
+        if self._lost is not None:
+            raise OpenEnvError(self._lost)
+        try:
+            result = self._session.call(
+                f"tool '{tool}'", self._session.client.step, {"tool": tool, "arguments": arguments}
+            )
+        except OpenEnvError as e:
+            self._session, self._lost = None, f"{e} (the episode's session is closed)"
+            raise
+        self._reward = result.reward
+        return result
+
+    def _call(self, tool: str, arguments: dict) -> str:
+        """A tool's answer; a transport failure is an `error: ...` answer (the policy's data, never a raise)."""
+        try:
+            text = self._step(tool, arguments).observation.get("text")
+        except OpenEnvError as e:
+            return f"error: {e}"
+        return text if isinstance(text, str) else json.dumps(text)
+
+    def _episode_solved(self, row: dict, text: str) -> Optional[bool]:
+        """Solved by the served environment's own rule (tools.episode_solved on the server, which saw the row)."""
+        try:
+            return self._step(JUDGE_TOOL, {"text": text}).observation.get("solved")
+        except OpenEnvError:
+            return False  # a lost episode is unsolved, as a broken in-process environment is
+
+    def __del__(self):
+        # at interpreter shutdown the client loop's thread may be gone: closing would wait out its deadline
+        if getattr(self, "_session", None) is not None and not sys.is_finalizing():
+            self._session.close()
+
+
+def _get_reward(self) -> float:
+    """The served environment's get_reward() after the episode's last call (the server sends it with each answer)."""
+    return 0.0 if self._reward is None else float(self._reward)
+
+
+def remote_environment_class(
+    url: str, environment: Optional[str] = None, knobs: Optional[dict] = None, timeout_s: float = 10.0
+) -> type:
+    """A class in TRL's environment_factory shape whose instances play episodes on the OpenEnv server at `url`.
+
+    Args:
+        url: the server's URL (http://host:port).
+        environment: the agent.environment the run names; the server must serve that one (None: any).
+        knobs: the constructor knobs params give it; the server's must be the same (None: not checked).
+        timeout_s: seconds for connecting and for each answer.
+
+    Returns:
+        The class (its tools and get_reward are the server's).
+    """
+    state = describe(url, timeout_s)
+    served = state.get("environment")
+    if environment is not None and served != environment:
+        raise OpenEnvError(f"openenv server {url} serves '{served}', but agent.environment is '{environment}'")
+    if knobs is not None and (state.get("knobs") or {}) != knobs:
+        raise OpenEnvError(
+            f"openenv server {url} runs '{served}' with knobs {state.get('knobs')}, but params.environments give "
+            f"{knobs}: start it with the same params (make env-server) or use agent.environment_url: serve"
+        )
+    members: dict[str, Any] = {"url": url, "timeout_s": timeout_s, "environment": served or ""}
+    for spec in state["tools"]:
+        members[spec["name"]] = _tool_method(spec, url)
+    if state.get("has_reward"):
+        members["get_reward"] = _get_reward
+    name = f"{state.get('class_name') or 'Environment'}OverOpenEnv"
+    return type(name, (RemoteEnvironment,), members)
+
+
+_SERVED: dict[str, tuple[str, Any]] = {}  # agent.environment_url: serve -> one server per environment and knobs
+
+
+def _stop_served() -> None:
+    for _, proc in _SERVED.values():
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+            proc.kill()
+    _SERVED.clear()
+
+
+def environment_over_openenv(environment_url: str, environment: str, knobs: dict, timeout_s: float) -> type:
+    """The environment class for `agent.environment_url`: a server's URL, or `serve` (a server for `environment`
+    started on a free 127.0.0.1 port, once per process, stopped when the process exits).
+
+    Args:
+        environment_url: agent.environment_url.
+        environment: agent.environment (the data and the solved rule stay this environment's).
+        knobs: its constructor knobs from params.environments.
+        timeout_s: agent.tool_timeout_s: seconds for connecting and for each answer.
+
+    Returns:
+        The class (remote_environment_class).
+    """
+    if environment_url == "serve":
+        import atexit
+
+        key = json.dumps([environment, knobs], sort_keys=True)
+        if key not in _SERVED:
+            if not _SERVED:
+                atexit.register(_stop_served)
+            _SERVED[key] = spawn(environment, knobs)
+        environment_url = _SERVED[key][0]
+    return remote_environment_class(environment_url, environment, knobs, timeout_s)
+
+
+def spawn(
+    name: str, knobs: Optional[dict] = None, timeout_s: float = STARTUP_TIMEOUT_S
+) -> tuple[str, subprocess.Popen]:
+    """Start `python -m agentrl.env_server` for `name` on a free 127.0.0.1 port (agent.environment_url:
+    serve). The child exits when this process's end of its stdin closes (this process exited or died), so it never
+    outlives the stage.
+
+    Args:
+        name: a registry name or `module:Class`.
+        knobs: the class's constructor keyword arguments.
+        timeout_s: how long the child may take to print its URL.
+
+    Returns:
+        (url, process).
+    """
+    cmd = [sys.executable, "-m", "agentrl.env_server", "--env", name, "--port", "0"]
+    cmd += ["--knobs", json.dumps(knobs or {}), "--exit-with-stdin"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().strip() if ready else ""
+    if not line.startswith("http://"):
+        proc.kill()
+        raise RuntimeError(
+            f"agent.environment_url serve: the OpenEnv server for '{name}' did not start within {timeout_s:g} s "
+            f"(exit code {proc.poll()}; its stderr above says why)"
+        )
+    return line, proc

@@ -1,0 +1,429 @@
+"""OpenEnv both ways (issue 42): our environments served with openenv-core's `create_app` (env_server.py)
+and played over OpenEnv in TRL's environment_factory shape (envs/openenv_client.py, agent.environment_url).
+
+(a) each registered environment's server plays a demonstration through openenv-core's own GenericEnvClient and
+answers what the environment answers in-process; (b) plain TRL GRPOTrainer(environment_factory=<client class>)
+trains against a server; (c) our pipeline's GRPO path with agent.environment_url: serve gives the same rollouts and
+weights as in-process; (d) servers that refuse, hang or answer malformed JSON are clear errors naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from agentrl.env_server import JUDGE_TOOL, serve_in_thread
+from agentrl.envs.openenv_client import OpenEnvError, remote_environment_class
+from agentrl.tools import _ANNOTATION, ENVIRONMENTS, TASKS, environment_tools, episode_solved
+from conftest import mini_params, tiny_lm
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+REGISTRY_NAMES = {"reasoning_gym": "reasoning_gym", "gymnasium": "gymnasium"}  # registered by other modules
+
+
+def _json(row: dict) -> dict:
+    return json.loads(json.dumps(row))  # what a row is after the wire (and after a jsonl file)
+
+
+def _episode_of(name: str) -> tuple[dict, list[str], str]:
+    """(row, the arguments of its demonstration's tool calls, the demonstration's text) for environment `name`."""
+    if name == "calculator":
+        answer = "48/2=<<48/2=24>>24 and <<24*3=72>>72 and <<1/0=x>>\n#### 72"
+        return {"question": "q", "ground_truth": "72"}, [m.group(1) for m in _ANNOTATION.finditer(answer)], answer
+    row = _json(TASKS[name].make_rows(1, random.Random(3), "test")[0])
+    return row, [m.group(1) for m in _ANNOTATION.finditer(row["answer"])], row["answer"]
+
+
+# ------------------------------------------------------------------------------ (a) every environment, served
+@pytest.mark.parametrize("name", ["calculator", "countdown", "gridworld", "reasoning_gym", "gymnasium"])
+def test_served_environment_plays_an_episode_through_openenv_core_client_as_in_process(name):
+    """openenv-core's GenericEnvClient (WebSocket session): `state` lists the tools, reset(**row) answers the
+    environment's observation, each step {tool, arguments} answers what the in-process tool answers with the
+    same reward, an unknown tool and an oversized action are error observations, and the judge action applies the
+    environment's own solved rule."""
+    from openenv.core import GenericEnvClient
+
+    if REGISTRY_NAMES.get(name, name) not in ENVIRONMENTS:
+        pytest.skip(f"'{name}' is not registered in agentrl.tools.ENVIRONMENTS yet")
+    row, arguments, answer = _episode_of(name)
+    local = ENVIRONMENTS[name]()
+    tools = environment_tools(local)
+    tool = next(iter(tools))
+    want_obs = local.reset(**row)
+    want = [tools[tool](a) for a in arguments]
+    has_reward = callable(getattr(local, "get_reward", None))
+    want_reward = local.get_reward() if has_reward else None
+    want_solved = episode_solved(row, answer, local)
+    assert arguments, "the demonstration makes no tool call: the episode tests nothing"
+
+    server = serve_in_thread(name)
+    try:
+        with GenericEnvClient(base_url=server.url, connect_timeout_s=10, message_timeout_s=30).sync() as client:
+            state = client.state()
+            assert [t["name"] for t in state["tools"]] == list(tools) and state["environment"] == name
+            first = client.reset(**row)
+            assert first.observation["text"] == want_obs
+            got = [client.step({"tool": tool, "arguments": {next(iter(_params(tools[tool]))): a}}) for a in arguments]
+            assert [g.observation["text"] for g in got] == want
+            assert got[-1].reward == want_reward
+            solved = client.step({"tool": JUDGE_TOOL, "arguments": {"text": answer}})
+            assert solved.observation["solved"] == want_solved
+            unknown = client.step({"tool": "nope", "arguments": {}})
+            assert unknown.observation["text"].startswith("error: unknown tool 'nope'; available: ")
+            big = {"x": "1" * 10_000}
+            huge = client.step({"tool": tool, "arguments": big})
+            assert huge.observation["text"] == f"error: arguments of {len(json.dumps(big))} characters (at most 8192)"
+    finally:
+        server.stop()
+
+
+def _params(method) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(method).parameters)
+
+
+def test_client_class_has_the_real_tools_and_plays_like_the_environment():
+    """remote_environment_class: the same tool names, signatures and JSON schemas (what TRL renders in the prompt)
+    as the in-process class, get_reward only when the environment has one, and a stateful episode (gridworld, with
+    slips drawn from the row's seed) answers move for move what the in-process one answers."""
+    import inspect
+
+    from transformers.utils import get_json_schema
+
+    from agentrl.envs.gridworld import GridWorld
+
+    server = serve_in_thread("gridworld")
+    try:
+        cls = remote_environment_class(server.url, "gridworld", {})
+        assert cls.__name__ == "GridWorldOverOpenEnv" and callable(getattr(cls, "get_reward", None))
+        local, remote = GridWorld(), cls()
+        assert list(environment_tools(remote)) == ["move"]
+        assert inspect.signature(remote.move) == inspect.signature(local.move, eval_str=True)
+        assert get_json_schema(remote.move) == get_json_schema(local.move)
+        row = _json(TASKS["gridworld"].make_rows(1, random.Random(5), "test")[0])
+        assert remote.reset(**row) == local.reset(**row)
+        for d in ["right", "down", "down", "right", "look", "up", "left", "down", "right", "down"]:
+            assert remote.move(d) == local.move(d)
+            assert remote.get_reward() == local.get_reward()
+        assert remote.move(direction="down") == local.move(direction="down")  # keyword call, as TRL makes it
+        with pytest.raises(OpenEnvError, match="serves 'gridworld', but agent.environment is 'countdown'"):
+            remote_environment_class(server.url, "countdown", {})
+        with pytest.raises(OpenEnvError, match=r"knobs \{\}, but params.environments give \{'max_moves': 3\}"):
+            remote_environment_class(server.url, "gridworld", {"max_moves": 3})
+    finally:
+        server.stop()
+    countdown_server = serve_in_thread("countdown")
+    try:
+        assert not hasattr(remote_environment_class(countdown_server.url), "get_reward")
+    finally:
+        countdown_server.stop()
+
+
+def test_a_lost_server_mid_episode_is_an_error_result_naming_the_url():
+    server = serve_in_thread("countdown")
+    cls = remote_environment_class(server.url, "countdown", None, timeout_s=2)
+    env = cls()
+    env.reset(numbers=[3, 5, 3], target=24)
+    assert env.check("(3+5)*3") == "24 yes"
+    server.stop()
+    out = env.check("3+5+3")
+    assert out.startswith(f"error: openenv server {server.url}: tool 'check': "), out
+    assert env.check("3") == out + " (the episode's session is closed)"  # the episode is over, not retried
+    with pytest.raises(OpenEnvError, match=f"openenv server {server.url}: reset: "):
+        env.reset(numbers=[3, 5, 3], target=24)
+
+
+# ------------------------------------------------------------------------------ (d) hostile servers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _silent_server():
+    """A TCP server that accepts connections and never answers (the WebSocket handshake never completes)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", lambda: (stop.set(), sock.close(), [c.close() for c in held])
+
+
+def _garbage_server():
+    """A WebSocket server (websockets, as openenv-core's client uses) that answers every message with broken JSON."""
+    import asyncio
+
+    from websockets.asyncio.server import serve
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box = {}
+
+    async def handler(ws):
+        async for _ in ws:
+            await ws.send('{"type": "state", "data": {"tools": [')
+
+    async def main():
+        box["server"] = await serve(handler, "127.0.0.1", 0)
+        box["port"] = box["server"].sockets[0].getsockname()[1]
+        ready.set()
+        try:
+            await box["server"].serve_forever()
+        except asyncio.CancelledError:  # close() below ends it
+            pass
+
+    threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True).start()
+    assert ready.wait(10)
+    return f"http://127.0.0.1:{box['port']}", lambda: loop.call_soon_threadsafe(box["server"].close)
+
+
+@pytest.mark.parametrize(
+    "kind,why",
+    [
+        ("refused", "Connect call failed|Connection refused|Failed to connect"),
+        ("hangs", "timed out|no answer within"),
+        ("garbage", "malformed JSON"),
+    ],
+)
+def test_hostile_server_is_a_clear_error_naming_the_url_within_the_timeout(kind, why):
+    """At the stage's start (making the class) a server that refuses, accepts and never answers, or answers
+    broken JSON is an OpenEnvError naming its URL, within the timeout (connect + one message)."""
+    if kind == "refused":
+        url, stop = f"http://127.0.0.1:{_free_port()}", lambda: None
+    else:
+        url, stop = _silent_server() if kind == "hangs" else _garbage_server()
+    timeout_s = 1.5
+    t = time.perf_counter()
+    try:
+        with pytest.raises(OpenEnvError, match=why) as e:
+            remote_environment_class(url, "countdown", {}, timeout_s=timeout_s)
+    finally:
+        stop()
+    assert str(e.value).startswith(f"openenv server {url}: "), str(e.value)
+    assert time.perf_counter() - t < 2 * timeout_s + 2
+
+
+def test_environment_url_is_validated_by_form_and_needs_an_environment():
+    from pydantic import ValidationError
+
+    from agentrl.config import AgentParams
+
+    agent = mini_params()["agent"]
+    for value, match in [
+        ("localhost:8000", "environment_url must be null, 'serve' or a URL"),
+        ("http://127.0.0.1:8000", "agent.environment_url plays agent.environment over OpenEnv"),
+    ]:
+        with pytest.raises(ValidationError, match=match):
+            AgentParams(**{**agent, "environment_url": value})
+    ok = AgentParams(**{**agent, "environment": "countdown", "tools": [], "environment_url": "serve"})
+    assert ok.environment_url == "serve"
+
+
+# ------------------------------------------------------------------------------ (b) TRL's own loop, over OpenEnv
+def _chat_lm(texts: list[str]):
+    from trl.chat_template_utils import qwen3_chat_template
+
+    tok, model = tiny_lm(texts, 400, max_position_embeddings=1024)
+    tok.chat_template = qwen3_chat_template
+    return tok, model
+
+
+class FirstTurnCalls(LogitsProcessor):
+    """Forces each rollout's first assistant turn to be `call` then eos, and every later turn to end at once: the
+    tool call TRL's loop then parses and runs (the tiny policy would not write one by itself)."""
+
+    def __init__(self, tok, call: str):
+        self.tok = tok
+        self.call = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        self.header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+
+    def __call__(self, input_ids, scores):
+        h = self.header
+        for r in range(input_ids.shape[0]):
+            row = [t for t in input_ids[r].tolist() if t != self.tok.pad_token_id]
+            starts = [j + len(h) for j in range(len(row) - len(h) + 1) if row[j : j + len(h)] == h]
+            pos = len(row) - starts[-1]
+            want = self.call[pos] if len(starts) == 1 and pos < len(self.call) else self.tok.eos_token_id
+            scores[r, :] = -1e9
+            scores[r, want] = 0
+        return scores
+
+
+def _alternating(completions, **kwargs) -> list[float]:
+    """A reward that differs inside each group of 2 whatever the (forced, identical) episodes did, so that two steps
+    have an advantage to learn from."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+@pytest.mark.slow
+def test_trl_grpo_trainer_trains_on_an_openenv_client_class(tmp_path):
+    """Plain TRL: GRPOTrainer(environment_factory=<client class>). TRL renders the served tool in the prompt, the
+    policy (taught to open with a move) calls it over the wire in TRL's own loop, the served gridworld's get_reward
+    is a reward column named after the class, every rollout's episode is reset on the server, and two steps change
+    the weights."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    server = serve_in_thread("gridworld")
+    try:
+        cls = remote_environment_class(server.url, "gridworld", {})
+        resets, moves = [], []
+
+        def reset(self, **row):
+            resets.append(row["seed"])
+            return cls.reset(self, **row)
+
+        def move(self, direction: str) -> str:
+            moves.append(direction)
+            return cls.move(self, direction)
+
+        move.__doc__, move.__signature__ = cls.move.__doc__, cls.move.__signature__
+        counted = type(cls.__name__, (cls,), {"reset": reset, "move": move})  # the name TRL's reward column takes
+        rows = [_json(r) for r in TASKS["gridworld"].make_rows(4, random.Random(0), "train")]
+        prompts = [[{"role": "user", "content": r["question"]}] for r in rows]
+        call = '<tool_call>\n{"name": "move", "arguments": {"direction": "right"}}\n</tool_call>'
+        probe, _ = _chat_lm(["x"] * 4)
+        texts = [probe.apply_chat_template(p, tools=[counted().move], add_generation_prompt=True, tokenize=False)
+                 + call for p in prompts]  # fmt: skip
+        tok, model = _chat_lm(texts * 4)
+        generate = model.generate  # TRL calls model.generate(**inputs, generation_config=...) each turn
+        forced = LogitsProcessorList([FirstTurnCalls(tok, call)])
+        model.generate = lambda *a, **k: generate(*a, logits_processor=forced, **k)
+        ds = Dataset.from_list([{"prompt": p, **r} for p, r in zip(prompts, rows)])
+        before = [p.detach().clone() for p in model.parameters()]
+        args = GRPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=64,
+            max_steps=2, learning_rate=1e-2, report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0,
+            logging_steps=1, save_strategy="no", max_tool_calling_iterations=2,
+        )  # fmt: skip
+        trainer = GRPOTrainer(model=model, reward_funcs=[_alternating], args=args, train_dataset=ds,
+                              processing_class=tok, environment_factory=counted)  # fmt: skip
+        trainer.train()
+    finally:
+        server.stop()
+        del model.generate
+    logs = {k for log in trainer.state.log_history for k in log}
+    assert trainer.state.global_step == 2
+    assert len(resets) == 2 * 4 and set(resets) <= {r["seed"] for r in rows}
+    assert moves, "the policy never called the served tool in TRL's loop"
+    assert f"rewards/{cls.__name__}/mean" in logs, sorted(logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "two steps changed nothing"
+
+
+# ------------------------------------------------------------------------------ (c) in-process == over OpenEnv
+def _teach_calls(tok, model, texts: list[str], steps: int = 60) -> None:
+    """A few dozen plain LM steps on the demonstrations, so that sampled completions open tool calls (`<<..=`)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    enc = tok(texts, return_tensors="pt", padding=True)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    model.train()
+    for _ in range(steps):
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def _grpo_run(params, tok, model_state, rows, tmp_path, tag: str):
+    """Our pipeline's GRPO path (grpo.rollout_plan -> ToolRollout, rewards from params) for two steps; returns the
+    rollouts it produced and the final weights."""
+    import copy
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentrl.grpo import rollout_plan
+    from agentrl.rewards import build_rewards
+
+    model = copy.deepcopy(model_state)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / tag), per_device_train_batch_size=8, num_generations=4, max_completion_length=24,
+        max_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0,
+        logging_steps=1, save_strategy="no", temperature=1.0,
+    )  # fmt: skip
+    rollout, factory = rollout_plan(params, args, tok, rows)
+    assert factory is None and rollout is not None, "the inline format runs our loop (ToolRollout)"
+    seen = []
+
+    def recording(prompts, trainer):
+        out = rollout(prompts, trainer)
+        seen.append({k: out[k] for k in ("prompt_ids", "completion_ids", "env_mask", "tool_calls", "solved")})
+        return out
+
+    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
+    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tok, rollout_func=recording)  # fmt: skip
+    trainer.train()
+    return seen, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_countdown_over_openenv_gives_the_same_rollouts_and_weights_as_in_process(tmp_path):
+    """agent.environment_url: serve (the stage starts the server subprocess) vs null, same seed: the same prompt and
+    completion ids (tool results included: they are completion tokens), the same solved flags (judged by the
+    server) and, after two GRPO steps, the same weights. The model is taught to call the tool first, so the
+    rollouts do make calls over the wire."""
+    from agentrl.config import validate_params
+    from agentrl.data import messages
+    from agentrl.envs import openenv_client
+
+    raw = mini_params()
+    raw["agent"].update(environment="countdown", tools=[], format="inline")
+    rows = [_json(r) for r in TASKS["countdown"].make_rows(4, random.Random(1), "train")]
+    rows = [{**r, "prompt": messages("", r["question"])} for r in rows]
+    tok, model = tiny_lm([r["question"] + r["answer"] for r in rows] * 8, 300)
+    _teach_calls(tok, model, [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+                              + r["answer"] for r in rows])  # fmt: skip
+
+    local_rolls, local_w = _grpo_run(validate_params(raw), tok, model, rows, tmp_path, "local")
+    raw["agent"]["environment_url"] = "serve"
+    try:
+        remote_rolls, remote_w = _grpo_run(validate_params(raw), tok, model, rows, tmp_path, "remote")
+        assert len(openenv_client._SERVED) == 1, "serve started one server for the stage"
+    finally:
+        openenv_client._stop_served()
+    assert sum(sum(r["tool_calls"]) for r in local_rolls) > 0, "no tool call was made: the comparison tests nothing"
+    assert remote_rolls == local_rolls
+    assert local_w.keys() == remote_w.keys()
+    assert all(torch.equal(local_w[k], remote_w[k]) for k in local_w), "weights differ after two steps"
+
+
+@pytest.mark.slow
+def test_bench_openenv_transport_times_both_paths_on_the_same_rollouts():
+    """`make bench-tools`' OpenEnv row: both paths time the same forced rollouts (it raises when they differ) and the
+    ratio is the median of the rounds' paired ratios."""
+    import statistics
+    import sys
+
+    from agentrl.config import load_params
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    r = bench.openenv_transport(load_params(ROOT / "params.yaml"), n=6, rounds=2)
+    assert r["rollouts"] == 6 and r["tool_calls"] >= 6  # every countdown demonstration checks at least once
+    assert r["in_process_seconds"]["runs"] == r["openenv_seconds"]["runs"] == 2
+    assert r["ratio"] == statistics.median(r["round_ratios"]) > 0
