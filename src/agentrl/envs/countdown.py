@@ -23,7 +23,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Iterable, Optional
 
-from . import row_text
+from . import refuse_beyond_capacity, row_text
 
 GEN_DEFAULTS: dict = {
     "num_numbers": 3,  # how many numbers an instance gives (2-5)
@@ -449,15 +449,15 @@ def check_capacity(n: int, split: str, k: dict, exclude: set) -> None:
         k: the generation knobs (checked by _gen_knobs).
         exclude: instance_key()s that may not be drawn.
     """
-    capacity = instance_capacity(k)
-    taken = sum(_drawable(key, k) for key in exclude) if n > capacity - len(exclude) else 0
-    if n > capacity - taken:
-        other = f", {taken} of them excluded (the other split's)" if taken else ""
-        raise ValueError(
-            f"countdown: {n} {split} instances asked (num_{split}) but num_numbers={k['num_numbers']}, numbers "
-            f"{k['number_min']}..{k['number_max']}, target_max={k['target_max']} allow at most {capacity} distinct "
-            f"instances{other}: widen the number range, raise num_numbers or target_max, or ask for fewer"
-        )
+    refuse_beyond_capacity(
+        n,
+        instance_capacity(k),
+        exclude,
+        lambda key: _drawable(key, k),
+        f"countdown: {n} {split} instances asked (num_{split}) but num_numbers={k['num_numbers']}, numbers "
+        f"{k['number_min']}..{k['number_max']}, target_max={k['target_max']} allow at most {{capacity}} distinct "
+        "instances{other}: widen the number range, raise num_numbers or target_max, or ask for fewer",
+    )
 
 
 def make_rows(

@@ -30,7 +30,7 @@ import zlib
 from collections import deque
 from typing import Iterable, Optional
 
-from . import row_text
+from . import refuse_beyond_capacity, row_text
 
 GEN_DEFAULTS: dict = {
     "size": 4,  # the grid is size x size (2-8)
@@ -483,15 +483,15 @@ def check_capacity(n: int, split: str, k: dict, exclude: set) -> None:
         k: the generation knobs (checked by _gen_knobs).
         exclude: instance_key()s that may not be drawn.
     """
-    capacity = grid_capacity(k["size"], k["hole_prob"], k["min_path"])
-    taken = sum(_drawable(key, k) for key in exclude) if n > capacity - len(exclude) else 0
-    if n > capacity - taken:
-        other = f", {taken} of them excluded (the other split's)" if taken else ""
-        raise ValueError(
-            f"gridworld: {n} {split} grids asked (num_{split}) but size={k['size']}, hole_prob={k['hole_prob']}, "
-            f"min_path={k['min_path']} allow at most {capacity} distinct grids{other}: raise size or hole_prob, "
-            f"lower min_path, or ask for fewer"
-        )
+    refuse_beyond_capacity(
+        n,
+        grid_capacity(k["size"], k["hole_prob"], k["min_path"]),
+        exclude,
+        lambda key: _drawable(key, k),
+        f"gridworld: {n} {split} grids asked (num_{split}) but size={k['size']}, hole_prob={k['hole_prob']}, "
+        f"min_path={k['min_path']} allow at most {{capacity}} distinct grids{{other}}: raise size or hole_prob, "
+        "lower min_path, or ask for fewer",
+    )
 
 
 def _random_grid(k: dict, rng: random.Random) -> Optional[tuple[list[str], tuple, tuple]]:
