@@ -56,16 +56,22 @@ $(OPENENV_STAMP): requirements-openenv.txt requirements.txt
 # or module:Class; its knobs come from params.yaml's environments.<ENV>. PORT=0: a free port (the URL is printed).
 # Train on it with agent.environment_url: http://HOST:PORT (docs/environments.md)
 env-server: setup-openenv ## serve environment ENV over OpenEnv on HOST:PORT
-	python -m agentrl.env_server --env $(call sq,$(ENV)) --host $(call sq,$(HOST)) --port $(call sq,$(PORT))
+	python -m agentrl.envs.openenv_server --env $(call sq,$(ENV)) --host $(call sq,$(HOST)) --port $(call sq,$(PORT))
 
 repro: setup ## set-up, then the whole DVC pipeline (dvc repro)
 	dvc repro
 
 # ruff (pinned in requirements.txt, configured in pyproject.toml): lint rules and formatting
-LINT_PATHS := src scripts tests
+LINT_PATHS := src scripts tests examples
 lint: setup ## ruff check + ruff format --check (pinned ruff, config in pyproject.toml)
 	ruff check $(LINT_PATHS)
 	ruff format --check $(LINT_PATHS)
+
+# Docs that match the files (issue 43): every figure in README.md and docs/results.md read from a committed file,
+# every time in minutes naming its CPU, links that resolve, the README's length (tests/test_docs.py, a few seconds)
+.PHONY: docs-check
+docs-check: setup ## check the docs' figures against the committed metrics files
+	python -m pytest tests/test_docs.py -q -p no:cacheprovider
 
 # --timeout: a test that hangs fails with its stack after that many seconds (pytest-timeout) instead of holding
 # the whole run (the slowest default test takes ~5 min on 2 cores, the slowest slow one ~8 with its set-up)
@@ -83,14 +89,14 @@ test-all: setup ## every test
 	python -m pytest $(PYTEST_ARGS)
 
 serve: setup ## serve MODEL (models/merged) with the OpenAI-compatible API on HOST:PORT
-	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serve:app --host $(HOST) --port $(PORT)
+	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serving.app:app --host $(HOST) --port $(PORT)
 
-# MCP server over stdio (agentrl.mcp_server) for agents; README "Driving the pipeline from an agent (MCP)".
+# MCP server over stdio (agentrl.api.mcp_server) for agents; README "Driving the pipeline from an agent (MCP)".
 # stdout is the protocol, so set-up output goes to stderr; clients run `make -s -C <repo> mcp`.
 .PHONY: mcp
 mcp: ## the MCP server over stdio for agents (clients run `make -s -C <repo> mcp`)
 	@$(MAKE) --no-print-directory -s setup >&2
-	@exec $(BIN)/python -m agentrl.mcp_server
+	@exec $(BIN)/python -m agentrl.api.mcp_server
 
 loadtest: setup ## load-test a served MODEL (throughput, latency percentiles)
 	python scripts/loadtest.py --model $(MODEL)
@@ -98,7 +104,7 @@ loadtest: setup ## load-test a served MODEL (throughput, latency percentiles)
 # reports/report.html: accuracy with 95% CIs, the comparison table, example completions with tool calls
 # (the curves: `make plots`).
 report: setup ## reports/report.html: accuracy with CIs, the comparison, examples
-	python -m agentrl.report
+	python -m agentrl.experiments.report
 
 # dvc.yaml's curves as one page that renders offline: reports/plots/index.html (`dvc plots show` with Vega inlined
 # instead of loaded from a CDN; scripts/plots.py). PLOTS_ARGS: more `dvc plots show` arguments.
@@ -150,7 +156,7 @@ STAGE ?= sft
 train-multinode: setup ## one node of a multi-node STAGE (MACHINE_RANK, NUM_MACHINES, MAIN_IP)
 	accelerate launch --config_file configs/accelerate/multi_node.yaml --num_machines $(NUM_MACHINES) \
 	  --num_processes $(NPROC) --machine_rank $(MACHINE_RANK) --main_process_ip $(MAIN_IP) \
-	  --main_process_port $(MAIN_PORT) -m agentrl.$(STAGE)
+	  --main_process_port $(MAIN_PORT) -m agentrl.stages.$(STAGE)
 
 clean: ## delete the pipeline's outputs in the workspace (models, metrics, ...)
 	rm -rf data/prepared models checkpoints eval metrics diagnostics dvclive runs wandb reports
@@ -216,7 +222,7 @@ repro-check: setup ## same bytes as PORTABLE_LOCK? (the default, mode portable)
 	python scripts/compare_locks.py exp:repro-check $(PORTABLE_LOCK)
 
 # The pipeline over N seeds (N=3: seeds 42-44) as DVC experiments seed-K, aggregated into docs/seeds.json,
-# docs/seeds.md and the README's seeds block (mean, sd, min-max per stage; GRPO-SFT per seed and pooled)
+# docs/seeds.md and docs/results.md's seeds block (mean, sd, min-max per stage; GRPO-SFT per seed and pooled)
 # (N defaults to 3 here, not the sweeps' 10)
 seeds: setup ## the pipeline over N seeds (default 3) and their spread (docs/seeds.md)
 	python scripts/seeds.py -n $(if $(filter command line environment,$(origin N)),$(N),3) --jobs $(JOBS)
@@ -234,15 +240,15 @@ DVC_REMOTE ?=
 GIT_REMOTE ?= origin
 .PHONY: push pull publish register
 push: setup ## push outputs to the DVC remote and experiments to GIT_REMOTE
-	python -m agentrl.share push $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
+	python -m agentrl.experiments.share push $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
 pull: setup ## pull and verify outputs from the DVC remote (a corrupt file fails)
-	python -m agentrl.share pull $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
+	python -m agentrl.experiments.share pull $(if $(DVC_REMOTE),--remote "$(DVC_REMOTE)") --git-remote "$(GIT_REMOTE)"
 
 # Upload models/merged + its model card (models/card/README.md, the `card` stage) to the Hugging Face Hub.
 # The token comes from the HF_TOKEN environment variable only; PRIVATE=1 creates a private repository.
 publish: setup ## upload models/merged and its model card to the Hub (REPO_ID, HF_TOKEN)
 	@test -n "$(REPO_ID)" || { echo "make publish: REPO_ID is not set (make publish REPO_ID=<user>/<name>)" >&2; exit 2; }
-	python -m agentrl.card --publish "$(REPO_ID)" $(if $(PRIVATE),--private)
+	python -m agentrl.stages.card --publish "$(REPO_ID)" $(if $(PRIVATE),--private)
 
 # Register the exported model with GTO: an annotated git tag merged@vX.Y.Z on HEAD, whose dvc.lock pins the
 # weights (`git checkout merged@vX.Y.Z && make pull` gets them back). VERSION=vX.Y.Z, else the next patch.

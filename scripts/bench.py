@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from agentrl.common import peak_rss_mb, write_json
 from agentrl.config import load_params
 from agentrl.data import load_jsonl
-from agentrl.scratch import copy_repo, git_commit_all, set_param
+from agentrl.experiments.scratch import copy_repo, git_commit_all, set_param
 
 STEPS = 40
 EVAL_STAGES = ("sft", "grpo")  # base runs every completion to eval.max_new_tokens: not the hard case
@@ -73,7 +73,7 @@ def tool_loop_vs_plain(
     does not sample (`loop_sampled_tokens_per_second` leaves them out)."""
     import torch
 
-    from agentrl.agent import generate_with_tools
+    from agentrl.agent.loop import generate_with_tools
 
     kw = template_kwargs or {}
     tok.padding_side = "left"
@@ -185,8 +185,9 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from agentrl import sft, stage
     from agentrl.modeling import STAGE_DIRS, load_model, load_tokenizer
+    from agentrl.stages import sft
+    from agentrl.stages import training as stage
 
     tok = load_tokenizer(STAGE_DIRS["base"])
     tok.padding_side = "right"
@@ -270,9 +271,9 @@ def sft_step_times(params, trl_defaults: bool) -> dict:
 
 def eval_speed(params, n: int, stage: str) -> dict:
     """Problems/s of the evaluation's generate on `stage`'s model: batched (eval.batch_size) vs one at a time."""
-    from agentrl.evaluate import generate, score
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.modeling import load_policy
-    from agentrl.tools import toolset_from_params
+    from agentrl.stages.evaluate import generate, score
 
     model, tok = load_policy(stage)
     model.eval()
@@ -302,9 +303,10 @@ def grpo_step_stats(params, steps: int = 12, alternate_merged: bool = False) -> 
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from agentrl import grpo, stage
+    from agentrl.agent.rewards import build_rewards
     from agentrl.modeling import STAGE_DIRS, load_tokenizer
-    from agentrl.rewards import build_rewards
+    from agentrl.stages import grpo
+    from agentrl.stages import training as stage
 
     g = params.grpo
     funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
@@ -389,8 +391,8 @@ def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, finish=N
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from agentrl import stage
-    from agentrl.rewards import build_rewards
+    from agentrl.agent.rewards import build_rewards
+    from agentrl.stages import training as stage
 
     funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
     clock = {"seconds": 0.0, "tokens": 0, "completions": 0}
@@ -438,9 +440,9 @@ def chat_loops_side_by_side(params, make_model, tok, rows: list[dict], steps: in
     (a tool-calling chat template) and rows, built as grpo.train builds them (grpo_config, rollout_plan,
     baked_tool_template): seconds per optimizer step and rollout tokens/s (timed_grpo) after `warmup` of `steps`
     steps, tool calls per completion, and ours / TRL's."""
-    from agentrl import grpo
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.config import Params
-    from agentrl.tools import toolset_from_params
+    from agentrl.stages import grpo
 
     p = Params.model_validate({**params.model_dump(), "agent": {**params.agent.model_dump(), "format": "chat"}})
     toolset = toolset_from_params(p.agent, tok.eos_token, p.environments)
@@ -491,8 +493,8 @@ def tool_loop_speed(params, n: int, stage: str = "grpo", ceiling: bool = False) 
     """tool_loop_vs_plain on `stage`'s policy: the tool loop (tools from params.agent) against plain
     `model.generate` on the first `n` held-out prompts, params.eval's batch size and max_new_tokens. `ceiling`: then
     decode_ceiling on the same model, prompts and sizes, and both loops' tokens/s as fractions of it."""
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.modeling import load_policy
-    from agentrl.tools import toolset_from_params
 
     model, tok = load_policy(stage)
     model.eval()
@@ -514,7 +516,7 @@ def _forced_demonstrations(tok, rows: list[dict]):
     `<<expr=` and the call itself; the loop appends what the environment answers (`result>>`), then the next piece."""
     from transformers import LogitsProcessor
 
-    from agentrl.tools import _ANNOTATION
+    from agentrl.agent.tools import _ANNOTATION
 
     def pieces(answer: str) -> list[list[int]]:
         out, pos = [], 0
@@ -555,12 +557,12 @@ def openenv_transport(params, n: int = 64, rounds: int = LOOP_ROUNDS, environmen
 
     from transformers import LogitsProcessorList
 
-    from agentrl.agent import generate_with_tools
+    from agentrl.agent.loop import generate_with_tools
+    from agentrl.agent.tools import TASKS, toolset_from_params
     from agentrl.config import TinyModelParams
     from agentrl.data import messages
     from agentrl.envs import openenv_client
     from agentrl.modeling import build_tiny_model, train_tokenizer
-    from agentrl.tools import TASKS, toolset_from_params
 
     rows = TASKS[environment].make_rows(n, random.Random(0), "test")
     prompts = [messages("", r["question"]) for r in rows]
@@ -606,8 +608,8 @@ def chat_loops_speed(params, steps: int = CHAT_STEPS, warmup: int = CHAT_WARMUP)
     pipeline's) it gets Qwen3's in memory, as the base stage gives a chat-format pipeline's tokenizer."""
     from trl.chat_template_utils import qwen3_chat_template, supports_tool_calling
 
-    from agentrl import grpo
     from agentrl.modeling import STAGE_DIRS, load_tokenizer
+    from agentrl.stages import grpo
 
     tok = load_tokenizer(STAGE_DIRS["sft"])
     if not supports_tool_calling(tok):
@@ -897,7 +899,7 @@ def reproducibility_cost(repeats: int) -> dict:
 
         Path(tmp, "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
         for stage in ("prepare", "base", "sft"):
-            run([sys.executable, "-m", f"agentrl.{stage}"], stage)
+            run([sys.executable, "-m", f"agentrl.stages.{stage}"], stage)
         for i in range(repeats):
             for mode in ("native", "portable"):
                 p.setdefault("reproducibility", {})["mode"] = mode
@@ -1003,7 +1005,7 @@ def main() -> None:
     res["sft_vs_plain_loop_ratio"] = res["sft_paired_ratios"]["ours"]["median"]
     res["sft_trl_defaults_vs_plain_loop_ratio"] = res["sft_paired_ratios"]["trl_defaults"]["median"]
 
-    from agentrl import agent
+    from agentrl.agent import loop as agent
 
     n = a.eval_problems or len(load_jsonl("data/prepared/test.jsonl"))
     res["eval_problems"] = n

@@ -3,7 +3,7 @@
 
 Starts the server on 127.0.0.1 (or uses --url) and, for each of the first N problems of the test split, with
 the official `openai` client and greedy decoding:
-  client  the request declares a `calculator` function; each `tool_calls` reply is run here (agentrl.tools.
+  client  the request declares a `calculator` function; each `tool_calls` reply is run here (agentrl.agent.tools.
           calculator) and answered with a `tool` message, until a reply without calls (at most
           agent.max_tool_calls calls, as the server-side loop);
   server  the same messages without `tools`: the server runs the policy's calls itself (the default).
@@ -23,11 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from agentrl.agent.tools import calculator, call_tool
 from agentrl.answers import answers_match, extract_answer, normalize_number
 from agentrl.config import load_params
 from agentrl.modeling import load_tokenizer
 from agentrl.serving.local import served
-from agentrl.tools import calculator, call_tool
 
 CALCULATOR = {
     "type": "function",

@@ -7,6 +7,12 @@ the metrics files that dvc.yaml declares (the pipeline's own, not the benchmarks
 ride along in git) to the target folder, plus `experiment.md` naming the experiment, its commit, the params it ran
 with (the keys that differ from the baseline) and the command that made it. The folder's README.md, the hand-written
 account of the results, is left alone.
+
+It never overwrites another run's results silently: when a file it would write is already in the folder with other
+content (a preset folder's committed run, another experiment's copy), it stops, names those files and writes nothing;
+`--force` replaces them and lists what it replaced. Copy a trial next to a preset's results with a fresh folder:
+
+    python scripts/env_results.py env-countdown docs/envs/countdown/trials/my-trial
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agentrl.agent_api import stages
-from agentrl.overrides import leaves, load, same
+from agentrl.api.actions import stages
+from agentrl.experiments.overrides import leaves, load, same
 
 
 def git(*args: str) -> str:
@@ -35,7 +41,7 @@ def exp_ref(name: str) -> str:
 
 
 def declared_metrics() -> list[str]:
-    """The metrics/*.json files that dvc.yaml declares as stage metrics, in stage order (agent_api.stages reads them:
+    """The metrics/*.json files that dvc.yaml declares as stage metrics, in stage order (api.actions.stages reads them:
     the workspace's dvc.yaml, the pipeline an experiment of this repository runs)."""
     if not Path("dvc.yaml").exists():
         raise SystemExit("no dvc.yaml here: run from the repository root (the experiment's pipeline names its metrics)")
@@ -62,32 +68,69 @@ def _cell(value: object) -> str:
     return "(absent)" if value is MISSING else f"`{json.dumps(value, default=str)}`"
 
 
+def experiment_files(experiment: str, out_dir: Path, commit: str, base: str) -> dict[str, str]:
+    """The text of every file the copy writes, by name: the declared metrics as the experiment committed them, and
+    experiment.md.
+
+    Args:
+        experiment: the experiment's name (`env-countdown`).
+        out_dir: the folder the files go to (named in experiment.md's command).
+        commit: the experiment's commit.
+        base: the commit it ran on (its parent), the baseline of the params table.
+
+    Returns:
+        file name -> text, in the order they are written.
+    """
+    texts = {}
+    for path in declared_metrics():
+        try:
+            data = json.loads(git("show", f"{commit}:{path}"))
+        except subprocess.CalledProcessError:
+            raise SystemExit(
+                f"{path}: declared in dvc.yaml but not in experiment commit {commit[:10]} (did its stage run?)"
+            ) from None
+        texts[Path(path).name] = json.dumps(data, indent=2) + "\n"
+    rows = "".join(f"| `{k}` | {_cell(old)} | {_cell(new)} |\n" for k, old, new in changed_params(base, commit))
+    texts["experiment.md"] = (
+        f"# {experiment}\n\nMetrics of the experiment `{experiment}` (commit {commit[:10]} on {base[:10]}), "
+        f"copied by `python scripts/env_results.py {experiment} {out_dir}` after "
+        f"`make env ENV={experiment.removeprefix('env-')}`.\n\nThe params it changed (params.yaml, by value):\n\n"
+        f"| key | baseline | this experiment |\n|---|---|---|\n{rows}"
+    )
+    return texts
+
+
+def files_it_would_replace(out_dir: Path, texts: dict[str, str]) -> list[str]:
+    """The files in `out_dir` that the copy would change: present with other content (an identical file, e.g. the
+    same experiment copied twice, is not a replacement)."""
+    return [name for name, text in texts.items() if (out_dir / name).exists() and (out_dir / name).read_text() != text]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment")
     ap.add_argument("out_dir", type=Path)
-    a = ap.parse_args()
-    ref = exp_ref(a.experiment)
+    ap.add_argument("--force", action="store_true", help="replace files of another run in out_dir (listed)")
+    args = ap.parse_args()
+    ref = exp_ref(args.experiment)
     commit = git("rev-parse", ref).strip()
     base = git("rev-parse", f"{commit}^").strip()
-    files = declared_metrics()
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        try:
-            data = json.loads(git("show", f"{commit}:{f}"))
-        except subprocess.CalledProcessError:
-            raise SystemExit(
-                f"{f}: declared in dvc.yaml but not in experiment commit {commit[:10]} (did its stage run?)"
-            ) from None
-        (a.out_dir / Path(f).name).write_text(json.dumps(data, indent=2) + "\n")
-    rows = "".join(f"| `{k}` | {_cell(old)} | {_cell(new)} |\n" for k, old, new in changed_params(base, commit))
-    (a.out_dir / "experiment.md").write_text(
-        f"# {a.experiment}\n\nMetrics of the experiment `{a.experiment}` (commit {commit[:10]} on {base[:10]}), "
-        f"copied by `python scripts/env_results.py {a.experiment} {a.out_dir}` after "
-        f"`make env ENV={a.experiment.removeprefix('env-')}`.\n\nThe params it changed (params.yaml, by value):\n\n"
-        f"| key | baseline | this experiment |\n|---|---|---|\n{rows}"
-    )
-    print(f"{len(files)} metrics files of {a.experiment} ({commit[:10]}) -> {a.out_dir}", file=sys.stderr)
+    texts = experiment_files(args.experiment, args.out_dir, commit, base)
+    replaced = files_it_would_replace(args.out_dir, texts)
+    if replaced and not args.force:
+        raise SystemExit(
+            f"{args.out_dir} already holds another run's results, which this copy would overwrite: "
+            f"{', '.join(replaced)}. Nothing written. Copy to a fresh folder "
+            f"(python scripts/env_results.py {args.experiment} {args.out_dir}/trials/<name>) or pass --force "
+            f"to replace them; the experiment stays available as {ref}."
+        )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (args.out_dir / name).write_text(text)
+    if replaced:
+        print(f"replaced (--force): {', '.join(replaced)}", file=sys.stderr)
+    count = len(texts) - 1
+    print(f"{count} metrics files of {args.experiment} ({commit[:10]}) -> {args.out_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

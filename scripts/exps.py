@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from agentrl.overrides import leaves  # noqa: E402
+from agentrl.experiments.overrides import leaves  # noqa: E402
 
 # column title, metrics file, key, format (None: not run)
 COLUMNS = (

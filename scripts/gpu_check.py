@@ -12,8 +12,8 @@ intermediate 3072, tied embeddings, Qwen3-0.6B's 151,936-row vocabulary: the pro
 the synthetic data, padded with never-produced filler tokens so the embedding, LM head and log-prob costs are
 the real model's), `distributed.num_processes: 1`, a few optimizer steps. Rows:
 
-  1. recipe: prepare, stand-in model, `agentrl.base` on the local directory (bf16, sdpa), LoRA SFT and
-     GRPO-LoRA (`accelerate launch` of agentrl.sft / agentrl.grpo, configs/accelerate/single.yaml), evaluation;
+  1. recipe: prepare, stand-in model, `agentrl.stages.base` on the local directory (bf16, sdpa), LoRA SFT and
+     GRPO-LoRA (`accelerate launch` of agentrl.stages.sft / .grpo, configs/accelerate/single.yaml), evaluation;
   2. DeepSpeed ZeRO-2 and ZeRO-3 (configs/accelerate/zero2.yaml, zero3.yaml, 1 process): SFT + GRPO;
   3. vLLM colocate rollouts (grpo.trainer.use_vllm, vllm_mode colocate), if `import vllm` works;
   4. export (merge + verify) and the int8 evaluation (bitsandbytes on CUDA, if it imports);
@@ -104,7 +104,7 @@ def check_params(cpu: bool, stand_in: str) -> dict:
     """params.yaml + the recipe (applied as scripts/recipe.py applies it: DVC's `-S` code) + the local, short-run
     overrides of the check."""
     sys.path.insert(0, str(ROOT / "src"))
-    from agentrl import overrides
+    from agentrl.experiments import overrides
     from recipe import overrides as recipe_args
 
     s = SIZES["cpu" if cpu else "gpu"]
@@ -177,10 +177,10 @@ def build_stand_in(out: str, cpu: bool) -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from agentrl.agent.tools import split_annotated
     from agentrl.config import load_params
     from agentrl.data import load_jsonl
     from agentrl.modeling import train_tokenizer
-    from agentrl.tools import split_annotated
 
     params = load_params()
     dims = dict(SMOKE_MODEL if cpu else QWEN3_0_6B)
@@ -228,11 +228,11 @@ def tool_speed(n: int) -> dict:
     batch on the same prompts, greedy."""
     import torch
 
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.common import torch_dtype
     from agentrl.config import load_params
     from agentrl.data import load_jsonl
     from agentrl.modeling import load_policy
-    from agentrl.tools import toolset_from_params
     from bench import tool_loop_vs_plain  # scripts/ is on sys.path (run as a script, and in the tests)
 
     params = load_params()
@@ -260,7 +260,7 @@ class Check:
         self.work = Path(tempfile.mkdtemp(prefix="agentrl-gpu-check-"))
         self.stand_in = str(self.work / "stand-in" / ("tiny-random" if self.cpu else "qwen3-0.6b-sized-random"))
         self.params = check_params(self.cpu, self.stand_in)  # puts ROOT/src on sys.path
-        from agentrl.scratch import copy_repo
+        from agentrl.experiments.scratch import copy_repo
 
         # dvc.yaml: the training stages' resume fingerprint hashes the code deps it lists (stage.code_digest)
         copy_repo(ROOT, self.work, only=("src", "configs", "dvc.yaml"))
@@ -284,7 +284,7 @@ class Check:
 
         import yaml
 
-        from agentrl.overrides import set_value
+        from agentrl.experiments.overrides import set_value
 
         p = copy.deepcopy(self.params)
         for k, v in (overrides or {}).items():
@@ -424,19 +424,19 @@ class Check:
         export = "export: merge + verify"
 
         # 1. the recipe's code paths, single process
-        self.run(prepare, [py, "-m", "agentrl.prepare"], 180)
+        self.run(prepare, [py, "-m", "agentrl.stages.prepare"], 180)
         self.run(
             stand_in, [py, me, "--_stand-in", self.stand_in, *smoke], 240, needs=[prepare], after=self.stand_in_after
         )
-        self.run(base, [py, "-m", "agentrl.base"], 180, needs=[stand_in], after=self.base_after)
+        self.run(base, [py, "-m", "agentrl.stages.base"], 180, needs=[stand_in], after=self.base_after)
         self.run(sft, launch("single", "sft"), 240, needs=[base], clean=["checkpoints"], after=self.sft_after)
         self.run(grpo, launch("single", "grpo"), 300, needs=[sft], after=self.grpo_after)
-        evaluate = [py, "-m", "agentrl.evaluate", "--stage", "grpo"]
+        evaluate = [py, "-m", "agentrl.stages.evaluate", "--stage", "grpo"]
         self.run("recipe: eval grpo (tool loop)", evaluate, 180, needs=[grpo], after=self.eval_after("grpo"))
         # 4. export, then the int8 evaluation (bitsandbytes on CUDA, torch dynamic int8 on CPU)
-        self.run(export, [py, "-m", "agentrl.export"], 240, needs=[grpo], after=self.export_after)
+        self.run(export, [py, "-m", "agentrl.stages.export"], 240, needs=[grpo], after=self.export_after)
         bnb = None if self.cpu or importable(py, "bitsandbytes", self.env) else "bitsandbytes not installed"
-        quantized = [py, "-m", "agentrl.export", "--quantized-eval"]
+        quantized = [py, "-m", "agentrl.stages.export", "--quantized-eval"]
         self.run("int8: eval merged + int8", quantized, 240, needs=[export], skip=bnb, after=self.quant_after)
         # 5. the tool loop against plain generate
         speed = [py, me, "--_tool-speed", *smoke]

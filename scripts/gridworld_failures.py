@@ -23,8 +23,8 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from agentrl.compare import read_predictions
 from agentrl.envs.gridworld import VIEW_ORDER  # the order of the cells a local view lists
+from agentrl.stages.compare import read_predictions
 
 KINDS = (
     "solved",

@@ -3,7 +3,7 @@
 
     python scripts/mcp_session.py [--repo PATH] [--override eval.batch_size=4] [--name bs4]
 
-Starts `python -m agentrl.mcp_server --repo PATH`, lists the tools, runs one experiment (progress
+Starts `python -m agentrl.api.mcp_server --repo PATH`, lists the tools, runs one experiment (progress
 notifications printed as they arrive), shows a rejected override, lists the experiments and compares the
 new one with the workspace. Large payloads (the full metrics, the schema) are shortened in the transcript.
 """
@@ -27,7 +27,7 @@ def show(out: dict, keys) -> str:
 
 async def session(repo: str, overrides: dict, name: str) -> None:
     params = StdioServerParameters(
-        command=sys.executable, args=["-m", "agentrl.mcp_server", "--repo", repo], env=dict(os.environ)
+        command=sys.executable, args=["-m", "agentrl.api.mcp_server", "--repo", repo], env=dict(os.environ)
     )
     async with stdio_client(params) as (read, write):
         async with ClientSession(read, write) as s:

@@ -3,8 +3,9 @@
     python scripts/paired_test.py BEFORE.jsonl[.gz] AFTER.jsonl[.gz] [--seed 42] [--out result.json]
 
 Each file is an evaluation's predictions (`eval/<stage>/predictions.jsonl`, one row per problem with `id` and
-`correct`). The test is the compare stage's own (`agentrl.compare.paired_test`: exact McNemar on the problems only
-one of the two solved, paired bootstrap 95% CI of the difference AFTER - BEFORE), over the ids both files have.
+`correct`). The test is the compare stage's own (`agentrl.stages.compare.paired_test`: exact McNemar on the
+problems only one of the two solved, paired bootstrap 95% CI of the difference AFTER - BEFORE), over the ids both files
+have.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from agentrl.compare import paired_test, read_predictions
+from agentrl.stages.compare import paired_test, read_predictions
 
 
 def correctness(path: Path) -> dict[str, bool]:

@@ -19,11 +19,12 @@ import tempfile
 from pathlib import Path
 
 from agentrl.config import ParamsError, load_params, load_yaml
-from agentrl.overrides import OverrideError, leaves, render
+from agentrl.experiments.overrides import OverrideError, leaves, render
 
 
 def overrides(recipe: str | Path) -> list[str]:
-    """`++key=value` per leaf of the recipe (agentrl.overrides: leaves, rendered as `dvc exp run -S` reads them)."""
+    """`++key=value` per leaf of the recipe (agentrl.experiments.overrides: leaves, rendered as `dvc exp run -S`
+    reads them)."""
     tree = load_yaml(recipe)
     if not isinstance(tree, dict) or not tree:
         raise SystemExit(f"{recipe}: expected a mapping of params sections")

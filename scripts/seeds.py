@@ -5,13 +5,13 @@
 
 Queues `dvc exp run --queue -S seed=K --name seed-K` for K = first .. first+N-1 (default first: params.yaml's
 seed, so the committed run is one of them and comes from DVC's run cache), runs the queue with JOBS DVC queue
-workers (`agentrl.exp_queue`; stages whose inputs a seed does not change are reused from the cache), then reads each
-experiment's metrics with `dvc.api` and writes the aggregate:
+workers (`agentrl.experiments.queue`; stages whose inputs a seed does not change are reused from the cache), then
+reads each experiment's metrics with `dvc.api` and writes the aggregate:
 
 - docs/seeds.json: per stage (base, sft, grpo, merged, merged_int8) mean, sample sd, min and max of accuracy and
   tool use over the seeds; the paired GRPO - SFT test of each seed (metrics/compare.json: difference, exact
   McNemar p, problems gained and lost) and pooled over the seeds (exact McNemar on all the discordant pairs);
-- docs/seeds.md: the same as tables; and the README's block between the `seeds:start` / `seeds:end` markers.
+- docs/seeds.md: the same as tables; and docs/results.md's block between the `seeds:start` / `seeds:end` markers.
 
 `seed` reaches every stage (the synthetic problems, the tiny model's initialisation, SFT, GRPO sampling), so each
 seed also draws its own held-out problems: the spread is over the whole pipeline. Experiments named seed-K that
@@ -35,12 +35,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from agentrl import overrides  # noqa: E402
-from agentrl.exp_queue import dvc, run_queue  # noqa: E402
+from agentrl.experiments import overrides  # noqa: E402
+from agentrl.experiments.queue import dvc, run_queue  # noqa: E402
 
 OUT_JSON = Path("docs/seeds.json")
 OUT_MD = Path("docs/seeds.md")
-README = Path("README.md")
+README = Path("docs/results.md")  # its seeds block (the README links it)
 MARKERS = ("<!-- seeds:start -->", "<!-- seeds:end -->")
 # stage -> its evaluation metrics file; the figures aggregated per stage
 STAGES = {
@@ -146,7 +146,7 @@ def spread(values: list) -> dict | None:
 
 
 def aggregate(runs: list[dict]) -> dict:
-    from agentrl.compare import mcnemar_exact
+    from agentrl.stages.compare import mcnemar_exact
 
     gained, lost = sum(r["gained"] for r in runs), sum(r["lost"] for r in runs)
     return {

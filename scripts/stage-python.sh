@@ -1,5 +1,5 @@
 #!/bin/sh
-# The interpreter of dvc.yaml's stage commands (`sh scripts/stage-python.sh -m agentrl.<stage>`), the same whichever
+# The interpreter of dvc.yaml's stage commands (`sh scripts/stage-python.sh -m agentrl.stages.<stage>`), the same whichever
 # way `dvc` was started: `make repro`, `.venv/bin/dvc repro <stage>` with another python first on PATH, a
 # `dvc exp run` temporary workspace or queue worker (copies under .dvc/tmp/exps without a .venv of their own).
 #   1. $AGENTRL_PYTHON, when set;

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from agentrl import overrides
-from agentrl.exp_queue import dvc, run_queue
+from agentrl.experiments import overrides
+from agentrl.experiments.queue import dvc, run_queue
 
 DISTRIBUTIONS = {  # type -> (required fields, Optuna suggestion)
     "loguniform": (("low", "high"), lambda t, k, d: t.suggest_float(k, d["low"], d["high"], log=True)),
@@ -77,14 +77,14 @@ def load_space(path: str, kind: str) -> dict:
 
 def check_search_name(name: str, flag: str = "--name") -> None:
     """A search's name prefixes its experiments' names (<name>-t<N>, <name>-<time>) and, here, a directory
-    (sweeps/<name>/): it must make valid experiment names (agentrl.agent_checks.check_experiment_name: git's
+    (sweeps/<name>/): it must make valid experiment names (agentrl.api.checks.check_experiment_name: git's
     ref rules, no revision syntax, no path), checked before a study or a queue entry is created.
 
     Args:
         name: the search's name.
         flag: how the user gave it, for the error.
     """
-    from agentrl.agent_checks import APIError, check_experiment_name
+    from agentrl.api.checks import APIError, check_experiment_name
 
     try:
         check_experiment_name(f"{name}-t0")
@@ -93,7 +93,8 @@ def check_search_name(name: str, flag: str = "--name") -> None:
 
 
 def set_args(point: dict) -> list[str]:
-    """`-S key=value` per key of the point (agentrl.overrides.render: keys params.yaml has, so DVC refuses a typo)."""
+    """`-S key=value` per key of the point (agentrl.experiments.overrides.render: keys params.yaml has, so DVC
+    refuses a typo)."""
     return [a for arg in overrides.render(point, add=False) for a in ("-S", arg)]
 
 

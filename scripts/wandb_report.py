@@ -6,7 +6,7 @@ and the per-sample prediction tables of the evaluations.
     python scripts/wandb_report.py --dry-run            # build offline and print the report's JSON
 
 The panels are not defined here: each plot of dvc.yaml's `plots:` becomes one panel (wandb_key maps its
-files to the keys W&B gets), and the bars are agentrl.report.STAGE_COLUMNS. A training stage logs the same
+files to the keys W&B gets), and the bars are agentrl.experiments.report.STAGE_COLUMNS. A training stage logs the same
 values to DVCLive (dvclive/<stage>/plots/metrics/<key>.tsv) and, through transformers' WandbCallback, to W&B
 as "train/<key>" in a run of job type <stage>; evaluation runs (job type "eval") put "eval/<metric>" in their
 summary and log "eval/<stage>/predictions" tables (src/agentrl/tracking.py).
@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from agentrl.report import STAGE_COLUMNS, STAGES, dvc_plots  # noqa: E402
+from agentrl.experiments.report import STAGE_COLUMNS, STAGES, dvc_plots  # noqa: E402
 
 
 def wandb_key(file: str, column: str) -> tuple[str, str]:
@@ -33,7 +33,7 @@ def wandb_key(file: str, column: str) -> tuple[str, str]:
         if column != p.stem:
             raise ValueError(f"dvc.yaml plot {file}: column '{column}', expected '{p.stem}' (DVCLive's own)")
         return p.parts[1], "train/" + PurePosixPath(*p.parts[4:]).with_suffix("").as_posix()
-    if p.parts[:1] == ("metrics",) and p.suffix == ".csv":  # one row per stage (compare.py)
+    if p.parts[:1] == ("metrics",) and p.suffix == ".csv":  # one row per stage (stages/compare.py)
         return "eval", f"eval/{column}"
     raise ValueError(
         f"dvc.yaml plot {file}: no W&B key known (expected dvclive/<stage>/plots/metrics/*.tsv or metrics/*.csv)"

@@ -42,7 +42,7 @@ MAKE = ["make", "-s", "--no-print-directory", "-o", "setup"]
 def tool_env(wandb_mode: Optional[str] = "offline", **extra: str) -> dict:
     """The environment to run the project's tools in a subprocess: os.environ with this interpreter's bin/ first
     on PATH (dvc, accelerate), the git identity, WANDB_MODE (unchanged when None) and `extra`."""
-    from agentrl.scratch import GIT_IDENTITY
+    from agentrl.experiments.scratch import GIT_IDENTITY
 
     env = {**os.environ, **GIT_IDENTITY, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     if wandb_mode is not None:
@@ -103,7 +103,7 @@ def mini_params() -> dict:
 def make_toolset(names, fmt, **kw):
     """A Toolset with params.yaml's agent knobs (max_tool_calls, max_expression_chars, tool_timeout_s) unless
     `kw` sets them (Toolset has no defaults of its own: params.yaml is where they live)."""
-    from agentrl.tools import Toolset
+    from agentrl.agent.tools import Toolset
 
     agent = raw_params()["agent"]
     knobs = {
@@ -140,7 +140,7 @@ def write_params(path: Path, params: dict) -> None:
 @pytest.fixture
 def copy_repo(tmp_path):
     """A copy of the repository (code, configs, dvc.yaml, params; no outputs, no DVC cache), not a git repo yet."""
-    from agentrl.scratch import copy_repo
+    from agentrl.experiments.scratch import copy_repo
 
     return copy_repo(ROOT, tmp_path / "repo")
 

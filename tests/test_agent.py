@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from agentrl.agent import generate_with_tools, sft_features, tokenize_trace, tool_stats
+from agentrl.agent.loop import generate_with_tools, sft_features, tokenize_trace, tool_stats
+from agentrl.agent.tools import calculator, call_tool, get_tool, split_annotated
 from agentrl.data import generate_synthetic
-from agentrl.tools import calculator, call_tool, get_tool, split_annotated
 from conftest import make_toolset, tiny_lm
 
 
@@ -73,7 +73,7 @@ def test_calculator_fuzz_hostile_input_is_bounded_and_never_raises():
 
 def test_tool_registry_and_custom_tools():
     assert get_tool("calculator") is calculator
-    assert get_tool("agentrl.tools:calculator") is calculator
+    assert get_tool("agentrl.agent.tools:calculator") is calculator
     with pytest.raises(ValueError, match="unknown tool 'calc'.*calculator"):
         get_tool("calc")
     with pytest.raises(ValueError, match="cannot import custom tool"):
@@ -165,7 +165,7 @@ def test_growing_kv_cache_gives_the_bytes_of_transformers_dynamic_cache(tiny, mo
     """The loop's KV cache (agent._GrowingLayer: written in place, grown by doubling) against transformers' own
     DynamicCache (monkeypatched in): the same completion tokens and logprobs, bit for bit, through tool inserts
     (re-prefill), rows leaving the batch (batch_select_indices) and sampling."""
-    import agentrl.agent as agent
+    import agentrl.agent.loop as agent
 
     tok, model, prompts, _ = tiny
     ts = make_toolset(["calculator"], "inline", max_calls=3)
@@ -186,7 +186,7 @@ def test_growing_kv_cache_gives_the_bytes_of_transformers_dynamic_cache(tiny, mo
 def test_growing_layer_matches_dynamic_layer_operation_by_operation():
     from transformers.cache_utils import DynamicLayer
 
-    from agentrl.agent import _GrowingLayer
+    from agentrl.agent.loop import _GrowingLayer
 
     torch.manual_seed(0)
     grow, dyn = _GrowingLayer(), DynamicLayer()
@@ -347,8 +347,8 @@ def test_prepare_keeps_tool_calls_only_with_tools_and_mixes_them_by_share(workdi
     and are stripped everywhere when agent.tools is []."""
     import json
 
-    from agentrl import prepare
     from agentrl.config import validate_params
+    from agentrl.stages import prepare
     from conftest import mini_params
 
     p = mini_params()

@@ -1,4 +1,4 @@
-"""agentrl.agent_api: JSON in/out actions over the DVC pipeline; errors are structured and leave the
+"""agentrl.api.actions: JSON in/out actions over the DVC pipeline; errors are structured and leave the
 workspace byte-identical. The end-to-end runs (a real experiment) are in test_mcp.py (slow)."""
 
 import hashlib
@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl import agent_api, config, overrides
-from agentrl.scratch import GIT_IDENTITY
+from agentrl import config
+from agentrl.api import actions as agent_api
+from agentrl.experiments import overrides
+from agentrl.experiments.scratch import GIT_IDENTITY
 from conftest import mini_params, tool_env
 
 BIN = str(Path(sys.executable).parent)
@@ -151,7 +153,7 @@ def test_cli_prints_json_errors_without_traceback(repo):
         [
             sys.executable,
             "-m",
-            "agentrl.agent_api",
+            "agentrl.api.actions",
             "run_experiment",
             json.dumps({"overrides": {"eval.batch_sise": 2}}),
         ],

@@ -34,7 +34,7 @@ def write_evals(root, tools: bool):
 
 @pytest.mark.parametrize("tools", [True, False])
 def test_compare_main_writes_paired_test_and_plot_csv(workdir, tools):
-    from agentrl import compare
+    from agentrl.stages import compare
 
     write_evals(workdir, tools)
     compare.main()
@@ -109,7 +109,7 @@ def test_paired_test_script_compares_two_prediction_files(tmp_path):
     import sys
     from pathlib import Path
 
-    from agentrl.compare import paired_test
+    from agentrl.stages.compare import paired_test
 
     script = Path(__file__).resolve().parents[1] / "scripts/paired_test.py"
     a = {f"p{i}": i % 3 == 0 for i in range(60)}

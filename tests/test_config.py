@@ -49,7 +49,7 @@ def test_stage_exits_before_touching_data(tmp_path, monkeypatch):
     """A typo stops the prepare stage with exit code 2 and writes nothing."""
     import yaml
 
-    from agentrl import prepare
+    from agentrl.stages import prepare
 
     p = raw_params()
     p["data"]["max_sample"] = 10
@@ -148,7 +148,7 @@ def test_params_yaml_is_the_one_place_a_default_lives():
     # the tool loop's knobs reach Toolset from params only (it had its own defaults once)
     import inspect
 
-    from agentrl.tools import Toolset
+    from agentrl.agent.tools import Toolset
 
     sig = inspect.signature(Toolset.__init__).parameters
     assert all(sig[k].default is inspect.Parameter.empty for k in ("max_calls", "max_expression_chars", "timeout_s"))

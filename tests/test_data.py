@@ -117,8 +117,8 @@ def test_real_gsm8k_train_parses_completely():
 
 
 def _prepare(workdir, **data_overrides):
-    from agentrl import prepare
     from agentrl.config import load_params
+    from agentrl.stages import prepare
 
     p = mini_params()
     p["data"].update(data_overrides)
@@ -174,7 +174,7 @@ def test_jsonl_source_keeps_every_valid_row(workdir):
 
 
 def test_bad_rows_error_lists_file_line_reason(workdir):
-    from agentrl.prepare import BadRowsError
+    from agentrl.stages.prepare import BadRowsError
 
     _write_gsm8k(workdir / "train.jsonl", GOOD[:5] + [{"question": "x", "answer": "no final"}] + [GOOD[0]])
     _write_gsm8k(workdir / "test.jsonl", GOOD[20:22])
@@ -355,7 +355,7 @@ def test_row_limit_is_a_parameter_of_the_reader(tmp_path):
 
 @pytest.mark.parametrize("on_bad_rows", ["drop", "error"])
 def test_prepare_drops_or_names_every_malformed_line(workdir, on_bad_rows):
-    from agentrl.prepare import BadRowsError
+    from agentrl.stages.prepare import BadRowsError
 
     lines = [json.dumps(r) for r in GOOD[:5]] + [MALFORMED[k][0] for k in sorted(MALFORMED)]
     (workdir / "train.jsonl").write_text("\n".join(lines) + "\n")

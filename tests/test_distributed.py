@@ -21,9 +21,9 @@ def launch(config: str, module: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("config", ["ddp.yaml", "zero2.yaml", "zero3.yaml"])
 def test_two_process_sft_and_grpo(config, tmp_path, monkeypatch):
-    from agentrl import base, prepare
     from agentrl.config import load_params
-    from agentrl.evaluate import evaluate
+    from agentrl.stages import base, prepare
+    from agentrl.stages.evaluate import evaluate
 
     monkeypatch.chdir(tmp_path)
     p = mini_params()
@@ -40,9 +40,9 @@ def test_two_process_sft_and_grpo(config, tmp_path, monkeypatch):
     (stale / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoints/sft/fingerprint.txt").write_text("another-config\n")
 
-    sft_run = launch(config, "agentrl.sft", tmp_path)
+    sft_run = launch(config, "agentrl.stages.sft", tmp_path)
     assert not stale.exists()
-    grpo_run = launch(config, "agentrl.grpo", tmp_path)
+    grpo_run = launch(config, "agentrl.stages.grpo", tmp_path)
 
     for stage, run in (("sft", sft_run), ("grpo", grpo_run)):
         m = read_metrics(tmp_path / f"metrics/{stage}_train.json")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.scratch import git_commit_all, set_param
+from agentrl.experiments.scratch import git_commit_all, set_param
 from conftest import mini_params, tool_env
 
 
@@ -24,45 +24,87 @@ def ran_stages(output: str) -> list[str]:
 
 SRC = Path(__file__).resolve().parents[1] / "src/agentrl"
 
+# The layering of docs/architecture.md: a module imports only from its own package and from packages of a lower tier.
+# Core is the top-level modules (config, common, data, ...); the three top packages are peers.
+TIERS = {"core": 0, "envs": 1, "agent": 2, "stages": 3, "api": 4, "serving": 4, "experiments": 4}
+# The crossings allowed besides: the params schema checks names against the environment registry (and nothing else
+# below it imports agent code), and the agent API's actions validate and queue experiments (overrides, queue).
+ALLOWED_CROSSINGS = {("config", "envs.registry"), ("api", "experiments")}
+
+
+def module_file(module: str, src: Path = SRC) -> Path:
+    """The file of a dotted package module: `stages.sft` -> stages/sft.py, `envs` -> envs/__init__.py."""
+    path = src / module.replace(".", "/")
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def is_module(module: str, src: Path = SRC) -> bool:
+    """Whether a dotted name (`envs.registry`, `agent`) is a module or sub-package of the package."""
+    path = src / module.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
 
 def package_imports(module: str, src: Path = SRC) -> set[str]:
-    """The package modules `module` imports itself, at module level or inside functions: `from .x import y`,
-    `from . import x`, `from agentrl.x import y`, `import agentrl.x`, and in a subpackage `from ..x import y`."""
+    """The package modules `module` (a dotted name such as `stages.sft`) imports itself, at module level or inside
+    functions, as dotted names: `from .x import y`, `from ..envs.registry import y`, `from . import x` (x a module
+    of the package, else the package's __init__), `from agentrl.x import y`, `import agentrl.x`."""
     import ast
 
+    package = module.split(".")[:-1] if module_file(module, src).name != "__init__.py" else module.split(".")
     found = set()
-    path = src / f"{module}.py"
-    if not path.exists():  # a subpackage (envs/): what its modules import
-        files = sorted((src / module).glob("*.py"))
-        return {m for f in files for m in package_imports(f"{module}/{f.stem}", src) if m != module}
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and "/" in module:
-            continue  # inside a subpackage: `from . import x` is the subpackage itself, its directory is the dep
-        if isinstance(node, ast.ImportFrom) and node.level == ("/" in module) + 1:  # `from ..x` in a subpackage
-            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("agentrl."):
-            found.add(node.module.split(".")[1])
+    for node in ast.walk(ast.parse(module_file(module, src).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "agentrl":
+            base = node.module.split(".")[1:]
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("agentrl.")}
-    return found
+            found |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith("agentrl.")}
+            continue
+        else:
+            continue
+        for alias in node.names:  # `from base import name`: the module base.name, else an attribute of base
+            target = ".".join(base + [alias.name])
+            if is_module(target, src):
+                found.add(target)
+            elif base:
+                found.add(".".join(base))
+    return found - {module}
 
 
 def local_imports(module: str, src: Path = SRC) -> set[str]:
-    """`module` and the package modules it imports, directly or through each other."""
+    """`module` and the package modules it imports, directly or through each other, with the sub-packages' __init__
+    that importing them runs (`stages.sft` runs stages/__init__.py). The package's own __init__ (agentrl/) runs
+    for every module and is not listed: it pins the kernels through reproducibility.py, which config imports."""
     seen, todo = set(), [module]
     while todo:
         m = todo.pop()
         if m in seen:
             continue
         seen.add(m)
-        todo += package_imports(m, src)
+        parts = m.split(".")
+        todo += package_imports(m, src) | {".".join(parts[:i]) for i in range(1, len(parts))}
     return seen
 
 
+def all_modules(src: Path = SRC) -> list[str]:
+    """Every module of the package as a dotted name (a sub-package's __init__ as the sub-package's name)."""
+    names = []
+    for path in sorted(src.rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        if parts == ("__init__",):
+            continue  # the package itself (every module runs it)
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
 def import_cycle(src: Path = SRC) -> list[str]:
-    """One import cycle among the package's modules (['a', 'b', 'a']), or [] when there is none."""
-    modules = [p.stem for p in src.glob("*.py")] + [p.name for p in src.iterdir() if (p / "__init__.py").exists()]
-    graph = {m: package_imports(m, src) for m in modules}
+    """One import cycle among the package's top-level modules and sub-packages (['a', 'b', 'a'], ['c', 'pkg', 'c']),
+    or [] when there is none. A sub-package is one node: inside it, a lazy import back (envs/mixture.py looks the
+    registry that imports it up when used) is its own business; across packages the layering test applies."""
+    graph = {}
+    for m in all_modules(src):
+        graph.setdefault(m.split(".")[0], set()).update(d.split(".")[0] for d in package_imports(m, src))
+    graph = {m: deps - {m} for m, deps in graph.items()}
     done, path = set(), []
 
     def visit(m):
@@ -84,8 +126,39 @@ def import_cycle(src: Path = SRC) -> list[str]:
     return []
 
 
+def layer_of(module: str, tiers: dict = TIERS) -> str:
+    """The layer a dotted module belongs to: its sub-package (`stages`), or `core` for a top-level module."""
+    head = module.split(".")[0]
+    return head if head in tiers else "core"
+
+
+def layering_violations(src: Path = SRC, tiers: dict = TIERS, allowed: set = ALLOWED_CROSSINGS) -> list[str]:
+    """Every import that goes up or sideways across the layers (`envs.x -> agent.tools`), as readable lines.
+
+    Args:
+        src: the package directory.
+        tiers: layer -> tier; a module may import its own layer and lower tiers.
+        allowed: (importer, imported) pairs let through, each a module or a layer name.
+
+    Returns:
+        "importer -> imported (layer tier N may not import layer tier M)" per violation, sorted.
+    """
+    found = []
+    for module in all_modules(src):
+        for imported in package_imports(module, src):
+            mine, theirs = layer_of(module, tiers), layer_of(imported, tiers)
+            if mine == theirs or tiers[theirs] < tiers[mine]:
+                continue
+            if {(module, imported), (mine, theirs), (module, theirs), (mine, imported)} & allowed:
+                continue
+            found.append(
+                f"{module} -> {imported} ({mine} tier {tiers[mine]} may not import {theirs} tier {tiers[theirs]})"
+            )
+    return sorted(found)
+
+
 def test_no_import_cycle_among_package_modules():
-    assert len(list(SRC.glob("*.py"))) > 10
+    assert len(all_modules()) > 40
     assert import_cycle() == [], " -> ".join(import_cycle())
 
 
@@ -97,20 +170,83 @@ def test_import_cycle_finder_finds_one(tmp_path):
     assert import_cycle(tmp_path) == ["a", "b", "a"]
     (tmp_path / "b.py").write_text("import json\n")
     assert import_cycle(tmp_path) == []
-    (tmp_path / "pkg").mkdir()  # a subpackage that imports back the module importing it
+    (tmp_path / "pkg").mkdir()  # a sub-package module that imports back the module importing it
     (tmp_path / "pkg/__init__.py").write_text("")
     (tmp_path / "pkg/m.py").write_text("from ..c import f\n")
     (tmp_path / "c.py").write_text("from .a import f\nfrom .pkg.m import g\n")
     assert import_cycle(tmp_path) == ["c", "pkg", "c"]
 
 
+def test_package_imports_resolve_relative_imports_in_sub_packages(tmp_path):
+    """`from . import x` in a sub-package is the module x when there is one, else the sub-package's __init__;
+    `from ..x import y` climbs one package; importing a sub-package module runs the sub-package's __init__."""
+    for d in ("envs", "stages"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "__init__.py").write_text("def helper():\n    pass\n")
+    (tmp_path / "config.py").write_text("def f():\n    from .envs.registry import TASKS\n")
+    (tmp_path / "envs/registry.py").write_text("from . import countdown, helper\n")
+    (tmp_path / "envs/countdown.py").write_text("")
+    (tmp_path / "stages/sft.py").write_text("from .. import config\nfrom ..envs import countdown\n")
+    assert package_imports("envs.registry", tmp_path) == {"envs.countdown", "envs"}
+    assert package_imports("stages.sft", tmp_path) == {"config", "envs.countdown"}
+    assert local_imports("stages.sft", tmp_path) == {
+        "stages.sft",
+        "stages",
+        "config",
+        "envs",
+        "envs.registry",
+        "envs.countdown",
+    }
+
+
+def test_packages_import_only_downward():
+    """core -> envs -> agent -> stages -> {api, serving, experiments} (docs/architecture.md): no module imports a
+    layer above its own or a peer, save the crossings ALLOWED_CROSSINGS names."""
+    assert {layer_of(m) for m in all_modules()} == set(TIERS), "a sub-package without a layer in TIERS"
+    assert layering_violations() == [], "\n".join(layering_violations())
+    # config reads the environment registry and nothing else above core: the schema never imports agent code
+    assert {m for m in package_imports("config") if layer_of(m) != "core"} == {"envs.registry"}
+    assert not {m for m in local_imports("config") if layer_of(m) not in ("core", "envs")}
+
+
+def test_layering_check_finds_an_upward_import(tmp_path):
+    """The layering check above can fail: an environment that imports the tool loop, a stage that imports the API."""
+    for d in ("envs", "agent", "stages", "api"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "__init__.py").write_text("")
+    (tmp_path / "config.py").write_text("def f():\n    from .envs.registry import TASKS\n")
+    (tmp_path / "envs/registry.py").write_text("TASKS = {}\n")
+    (tmp_path / "agent/tools.py").write_text("from ..envs.registry import TASKS\n")
+    (tmp_path / "stages/sft.py").write_text("from ..agent import tools\n")
+    (tmp_path / "api/actions.py").write_text("from ..stages import sft\n")
+    assert layering_violations(tmp_path) == []
+    (tmp_path / "envs/server.py").write_text("def f():\n    from ..agent.tools import TASKS\n")
+    (tmp_path / "stages/sft.py").write_text("from ..agent import tools\nfrom ..api.actions import call\n")
+    assert layering_violations(tmp_path) == [
+        "envs.server -> agent.tools (envs tier 1 may not import agent tier 2)",
+        "stages.sft -> api.actions (stages tier 3 may not import api tier 4)",
+    ]
+    (tmp_path / "common.py").write_text("from .envs import registry\n")  # core: only config may read the registry
+    assert layering_violations(tmp_path)[0] == "common -> envs.registry (core tier 0 may not import envs tier 1)"
+
+
 def test_number_parsing_is_not_in_the_rewards_dependency_chain_of_data_stages():
     """prepare and base read answers (answers.py) but not the rewards: a reward change does not re-run them."""
-    for module in ("prepare", "base", "data", "serve", "compare"):
-        assert "rewards" not in local_imports(module), module
-    assert "answers" in local_imports("prepare") and "answers" in local_imports("rewards")
-    for module in ("evaluate", "quantize"):
-        assert "export" not in local_imports(module), module
+    for module in ("stages.prepare", "stages.base", "data", "serving.app", "stages.compare"):
+        assert "agent.rewards" not in local_imports(module), module
+    assert "answers" in local_imports("stages.prepare") and "answers" in local_imports("agent.rewards")
+    for module in ("stages.evaluate", "stages.quantize"):
+        assert "stages.export" not in local_imports(module), module
+
+
+def stage_code_deps(module: str, src: Path = SRC) -> set[str]:
+    """The code deps a stage running `module` declares: the file of every module in its import closure, a whole
+    sub-package directory when the closure holds every file of it."""
+    files = {module_file(m, src) for m in local_imports(module, src)}
+    for package in {f.parent for f in files if f.parent != src}:
+        if set(package.glob("*.py")) <= files:
+            files = {f for f in files if f.parent != package} | {package}
+    return {str(f.relative_to(src.parents[1])) for f in files}
 
 
 def test_every_stage_depends_on_all_the_code_it_runs():
@@ -121,12 +257,38 @@ def test_every_stage_depends_on_all_the_code_it_runs():
     assert stages
     for name, stage in stages.items():
         module = stage["cmd"].split("-m agentrl.")[1].split()[0]
-        needed = {f"src/agentrl/{m}" + ("" if (SRC / m).is_dir() else ".py") for m in local_imports(module)}
+        needed = stage_code_deps(module)
         declared = {d for d in stage["deps"] if d.startswith("src/")}
         missing = needed - declared
         assert not missing, f"dvc.yaml stage {name!r} runs agentrl.{module} but does not depend on {sorted(missing)}"
         extra = declared - needed
         assert not extra, f"dvc.yaml stage {name!r} runs agentrl.{module}, which never imports {sorted(extra)}"
+
+
+def test_stage_code_deps_name_a_directory_only_when_the_stage_imports_all_of_it(tmp_path):
+    """A sub-package is one dep when the stage imports every file of it, else each file it imports is."""
+    pkg = tmp_path / "src/agentrl"
+    (pkg / "envs").mkdir(parents=True)
+    (pkg / "stages").mkdir()
+    for f in ("envs/__init__.py", "stages/__init__.py", "stages/other.py", "envs/b.py", "config.py"):
+        (pkg / f).write_text("")
+    (pkg / "envs/a.py").write_text("from . import b\n")
+    (pkg / "stages/run.py").write_text("from .. import config\nfrom ..envs import a\n")
+    assert stage_code_deps("stages.run", pkg) == {
+        "src/agentrl/stages/run.py",
+        "src/agentrl/stages/__init__.py",
+        "src/agentrl/config.py",
+        "src/agentrl/envs",
+    }
+    (pkg / "envs/c.py").write_text("")  # a file of envs the stage never imports
+    assert stage_code_deps("stages.run", pkg) == {
+        "src/agentrl/stages/run.py",
+        "src/agentrl/stages/__init__.py",
+        "src/agentrl/config.py",
+        "src/agentrl/envs/__init__.py",
+        "src/agentrl/envs/a.py",
+        "src/agentrl/envs/b.py",
+    }
 
 
 @pytest.fixture

@@ -333,7 +333,7 @@ def test_defaults_are_the_signature_defaults_and_the_config_validates_them():
 
 
 def test_registered_and_solved_by_the_environment():
-    from agentrl import tools
+    from agentrl.agent import tools
 
     assert tools.ENVIRONMENTS["gymnasium"] is GymnasiumEnv and tools.TASKS["gymnasium"] is gt
     row = make_rows(1, random.Random(0), "train", env_knobs=DETERMINISTIC)[0]
@@ -346,7 +346,7 @@ def test_registered_and_solved_by_the_environment():
 
 def test_demos_replay_through_the_inline_tool_loop():
     """SFT replays a demonstration's calls in a fresh episode of the Toolset: the results are the recorded ones."""
-    from agentrl.tools import Toolset, split_annotated
+    from agentrl.agent.tools import Toolset, split_annotated
 
     row = make_rows(1, random.Random(9), "train", env_knobs=SLIPPERY, map_size=4)[0]
     ts = Toolset(

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agentrl.agent.tools import Call, episode_solved, split_annotated  # noqa: E402
 from agentrl.envs import countdown, gridworld, mixture  # noqa: E402
-from agentrl.tools import Call, episode_solved, split_annotated  # noqa: E402
 from conftest import make_toolset, mini_params  # noqa: E402
 
 MEMBERS = {
@@ -96,8 +96,8 @@ def test_an_episode_is_the_rows_member_environment_and_its_own_rule_decides():
 
 
 def test_score_reports_accuracy_per_environment_and_the_default_has_none():
-    from agentrl.agent import Rollout
-    from agentrl.evaluate import accuracy_by_environment, score
+    from agentrl.agent.loop import Rollout
+    from agentrl.stages.evaluate import accuracy_by_environment, score
 
     ts = make_toolset(None, "inline", environment="mixture", env_kwargs={"members": MEMBERS})
     cd = {
@@ -141,7 +141,7 @@ def test_score_reports_accuracy_per_environment_and_the_default_has_none():
 
 
 def test_compare_pairs_sft_and_grpo_per_environment():
-    from agentrl.compare import mcnemar_exact, paired_by_environment
+    from agentrl.stages.compare import mcnemar_exact, paired_by_environment
 
     def preds(flags: dict[str, list[int]]) -> list[dict]:
         return [
@@ -235,7 +235,7 @@ def test_call_formats_refuse_what_they_cannot_drive():
             """
             return x
 
-    from agentrl import tools
+    from agentrl.agent import tools
 
     two = {"two": {"environment": "countdown", "share": 1.0}}
     original = tools.ENVIRONMENTS["countdown"]
@@ -253,7 +253,7 @@ def test_trls_loop_gets_a_dict_of_factories_in_the_chat_format():
     from types import SimpleNamespace
 
     from agentrl.config import validate_params
-    from agentrl.grpo import rollout_plan
+    from agentrl.stages.grpo import rollout_plan
 
     p = mini_params()
     grids = {"plain": {"environment": "gridworld", "share": 0.5}, "look": {**MEMBERS["look"], "share": 0.5}}
@@ -267,9 +267,9 @@ def test_trls_loop_gets_a_dict_of_factories_in_the_chat_format():
 def test_prepare_writes_tagged_rows_that_grpo_reads_as_one_table(workdir):
     from datasets import load_dataset
 
-    from agentrl import prepare
     from agentrl.config import validate_params
     from agentrl.data import load_jsonl
+    from agentrl.stages import prepare
 
     p = mini_params()
     p["agent"].update(tools=[], environment="mixture", max_tool_calls=24)

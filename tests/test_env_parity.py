@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from agentrl.agent import generate_with_tools
+from agentrl.agent.loop import generate_with_tools
+from agentrl.agent.tools import Toolset
 from agentrl.data import messages
 from agentrl.envs import countdown, gridworld
-from agentrl.tools import Toolset
 from conftest import make_toolset, tiny_lm
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -112,7 +112,7 @@ def run_both(lm, tmp_path, environment, rows: list[dict], questions: list[str], 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from agentrl.rewards import accuracy
+    from agentrl.agent.rewards import accuracy
 
     tok, model = lm
     toolset = environment if isinstance(environment, Toolset) else make_toolset(None, "chat", environment=environment)

@@ -90,6 +90,21 @@ def test_a_demonstration_calls_the_calculator_only_where_it_agrees_with_the_answ
     assert rgt.demonstration({"question": "q", "answer": "4", "metadata": {}}, "calculator") == "#### 4"
 
 
+def test_tool_share_keeps_the_rows_and_changes_only_which_demonstrations_call():
+    """tool_share: the same rows (questions, answers, entries) in the same order; a share of the demonstrations that
+    could call the calculator do, the rest are the answer alone; 1 (the default) is the rows without the knob."""
+    every, half, never = (rows_of(400, seed=5, tool_share=s) for s in (1.0, 0.5, 0.0))
+    assert digest(every) == digest(rows_of(400, seed=5))
+    for rows in (half, never):
+        assert [r["rg_entry"] for r in rows] == [r["rg_entry"] for r in every]
+    assert all("<<" in r["answer"] for r in every) and not any("<<" in r["answer"] for r in never)
+    calling = [r for r in half if "<<" in r["answer"]]
+    assert 0.4 < len(calling) / len(half) < 0.6
+    assert all(r["answer"] == e["answer"] for r, e in zip(half, every) if "<<" in r["answer"])
+    assert all(r["answer"] == f"#### {r['ground_truth']}" for r in half if "<<" not in r["answer"])
+    assert digest(half) == digest(rows_of(400, seed=5, tool_share=0.5))  # the draw is seeded
+
+
 # ----------------------------------------------------------------------------------- knob errors
 @pytest.mark.parametrize(
     "knobs, match",
@@ -101,6 +116,8 @@ def test_a_demonstration_calls_the_calculator_only_where_it_agrees_with_the_answ
         ({"config": {"min_terms": 5, "max_terms": 3}}, r"min_terms/max_terms: .*max_terms must be >= min_terms"),
         ({"config": {"seed": 3}}, r"config\.seed: set from the run's seed"),
         ({"tool": "abacus"}, r"environments\.reasoning_gym\.tool: must be one of calculator, none"),
+        ({"tool_share": 1.5}, r"environments\.reasoning_gym\.tool_share: a number from 0 to 1, got 1\.5"),
+        ({"tool_share": True}, r"environments\.reasoning_gym\.tool_share: a number from 0 to 1, got True"),
         ({"task": "chain_summ"}, r"unknown reasoning-gym task 'chain_summ' \(did you mean chain_sum.*known .*gcd"),
     ],
 )  # fmt: skip
@@ -164,7 +181,7 @@ def test_bad_rows_name_the_field():
 
 
 def test_episodes_solve_by_the_module_rule_through_the_registry():
-    from agentrl.tools import ENVIRONMENTS, TASKS, episode_solved, toolset_from_params
+    from agentrl.agent.tools import ENVIRONMENTS, TASKS, episode_solved, toolset_from_params
 
     assert TASKS["reasoning_gym"] is rgt and ENVIRONMENTS["reasoning_gym"] is rgt.ReasoningGym
     row = rows_of(1, seed=0)[0]
@@ -181,9 +198,9 @@ def test_episodes_solve_by_the_module_rule_through_the_registry():
 
 # ----------------------------------------------------------------------------------- prepare and the loop
 def test_prepare_writes_rows_that_reset_and_score(workdir):
-    from agentrl import prepare
     from agentrl.config import validate_params
     from agentrl.data import load_jsonl
+    from agentrl.stages import prepare
 
     p = mini_params()
     p["agent"].update(tools=[], environment="reasoning_gym")
@@ -222,9 +239,9 @@ class Forced(LogitsProcessor):
 def test_a_demonstration_replayed_through_the_loop_is_solved():
     import torch
 
-    from agentrl.agent import generate_with_tools, tokenize_trace
+    from agentrl.agent.loop import generate_with_tools, tokenize_trace
+    from agentrl.agent.tools import split_annotated
     from agentrl.data import messages
-    from agentrl.tools import split_annotated
 
     rows = [{**r, "id": f"rg-{i}"} for i, r in enumerate(rows_of(3, seed=9, task="basic_arithmetic", config={}))]
     tok, model = tiny_lm([r["question"] + r["answer"] for r in rows] * 3, 300)
@@ -248,7 +265,7 @@ def test_a_demonstration_replayed_through_the_loop_is_solved():
 
 # ----------------------------------------------------------------------------------- the contract
 def test_every_registered_task_and_environment_satisfies_the_contract():
-    from agentrl.tools import ENVIRONMENTS, TASKS
+    from agentrl.agent.tools import ENVIRONMENTS, TASKS
 
     for name, module in TASKS.items():
         contract.check_task_module(module)

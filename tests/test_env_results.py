@@ -14,7 +14,9 @@ def git(cwd, *args):
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
+def make_repo_with_experiment(tmp_path):
+    """A git repository whose baseline has two declared metrics and whose experiment `env-x` (at refs/exps) changed
+    one metric and the params, the workspace back at the baseline as after `dvc exp run --temp`."""
     git(tmp_path, "init", "-q")
     git(tmp_path, "config", "user.email", "t@example.com")
     git(tmp_path, "config", "user.name", "t")
@@ -38,9 +40,17 @@ def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
     git(tmp_path, "commit", "-qam", "experiment")
     git(tmp_path, "update-ref", "refs/exps/ab/cdef/env-x", "HEAD")
     git(tmp_path, "reset", "-q", "--hard", "HEAD~1")  # the workspace holds the baseline, as after dvc exp --temp
+
+
+def copy_results(tmp_path, *args):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True)
+
+
+def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
+    make_repo_with_experiment(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "out/README.md").write_text("the hand-written account\n")
-    run = subprocess.run([sys.executable, SCRIPT, "env-x", "out"], cwd=tmp_path, capture_output=True, text=True)
+    run = copy_results(tmp_path, "env-x", "out")
     assert run.returncode == 0, run.stderr
     assert json.loads((tmp_path / "out/eval_sft.json").read_text()) == {"accuracy": 0.5}
     assert json.loads((tmp_path / "out/compare.json").read_text()) == {"p_value": "1.00e+00"}
@@ -53,5 +63,22 @@ def test_copies_the_pipelines_metrics_and_names_a_missing_one(tmp_path):
     table = [line for line in (tmp_path / "out/experiment.md").read_text().splitlines() if line.startswith("| `")]
     assert table == ['| `agent.view` | (absent) | `"local"` |', "| `seed` | `1` | `2` |"]
     assert (tmp_path / "out/README.md").read_text() == "the hand-written account\n"
-    missing = subprocess.run([sys.executable, SCRIPT, "env-y", "out"], cwd=tmp_path, capture_output=True, text=True)
+    missing = copy_results(tmp_path, "env-y", "out")
     assert missing.returncode != 0 and "no experiment named 'env-y'" in missing.stderr
+
+
+def test_refuses_to_overwrite_another_runs_results_unless_forced(tmp_path):
+    make_repo_with_experiment(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/eval_sft.json").write_text('{"accuracy": 0.9}')  # a preset folder's committed run
+    refused = copy_results(tmp_path, "env-x", "out")
+    assert refused.returncode != 0
+    assert "would overwrite: eval_sft.json. Nothing written" in refused.stderr and "--force" in refused.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval_sft.json"]
+    assert (tmp_path / "out/eval_sft.json").read_text() == '{"accuracy": 0.9}'
+    assert copy_results(tmp_path, "env-x", "fresh").returncode == 0  # a fresh folder: nothing to replace
+    again = copy_results(tmp_path, "env-x", "fresh")  # the same experiment copied twice: identical files
+    assert again.returncode == 0 and "replaced" not in again.stderr
+    forced = copy_results(tmp_path, "env-x", "out", "--force")
+    assert forced.returncode == 0 and "replaced (--force): eval_sft.json" in forced.stderr
+    assert json.loads((tmp_path / "out/eval_sft.json").read_text()) == {"accuracy": 0.5}

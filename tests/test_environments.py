@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from agentrl.agent import Rollout, generate_with_tools, sft_features, tokenize_trace
+from agentrl.agent.loop import Rollout, generate_with_tools, sft_features, tokenize_trace
+from agentrl.agent.tools import Call, split_annotated
 from agentrl.data import messages
 from agentrl.envs import countdown, gridworld
-from agentrl.tools import Call, split_annotated
 from conftest import make_toolset, mini_params, tiny_lm
 
 HERE = __name__  # environments defined below are named "<this module>:Class", as agent.environment names them
@@ -328,7 +328,7 @@ def test_tool_rollout_renders_the_chat_prompt_with_its_tools(tiny):
     """grpo.ToolRollout (our loop as TRL's rollout_func) renders a chat-format prompt with the environment's tool
     description, as evaluation and SFT do (toolset.chat_template_kwargs): the prompt ids GRPO trains on are the ones
     the policy is evaluated with."""
-    from agentrl.grpo import ToolRollout
+    from agentrl.stages.grpo import ToolRollout
 
     tok, model, qwen3 = tiny
     saved = tok.chat_template
@@ -355,7 +355,7 @@ def test_merged_policy_is_the_adapter_merged_and_follows_its_training(tiny):
     from peft import LoraConfig, get_peft_model
     from trl.trainer.utils import add_fused_lm_head
 
-    from agentrl.grpo import merged_policy
+    from agentrl.stages.grpo import merged_policy
 
     tok, model, _ = tiny
     patched = copy.deepcopy(model)
@@ -393,7 +393,7 @@ def test_merged_rollouts_sample_what_the_adapter_samples(tiny):
 
     from peft import LoraConfig, get_peft_model
 
-    from agentrl.grpo import ToolRollout
+    from agentrl.stages.grpo import ToolRollout
 
     tok, model, _ = tiny
     peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
@@ -429,7 +429,7 @@ def test_merged_policy_refuses_what_its_refresh_would_leave_stale(tiny, extra, s
 
     from peft import LoraConfig, get_peft_model
 
-    from agentrl.grpo import BatchConfigError, merged_policy
+    from agentrl.stages.grpo import BatchConfigError, merged_policy
 
     _, model, _ = tiny
     peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **extra))
@@ -446,7 +446,7 @@ def test_merged_rollouts_are_refused_with_sharded_weights(fsdp, deepspeed, stage
     it before the first step; DDP and ZeRO-2 (whole weights on every process) run, and so does merged_rollouts off."""
     from types import SimpleNamespace
 
-    from agentrl.grpo import BatchConfigError, ToolRollout, check_merged_rollouts
+    from agentrl.stages.grpo import BatchConfigError, ToolRollout, check_merged_rollouts
 
     plugin = SimpleNamespace(zero_stage=stage) if deepspeed else None
     trainer = SimpleNamespace(
@@ -468,7 +468,7 @@ def test_merged_rollouts_are_refused_where_they_would_not_run():
     from types import SimpleNamespace
 
     from agentrl.config import ParamsError, validate_params
-    from agentrl.grpo import BatchConfigError, ToolRollout, rollout_plan
+    from agentrl.stages.grpo import BatchConfigError, ToolRollout, rollout_plan
     from conftest import raw_params
 
     p = raw_params()
@@ -570,7 +570,7 @@ def _rollout(ts, row: dict, calls: list[str], text: str) -> Rollout:
 
 
 def test_score_judges_countdown_by_its_checker_and_reports_recovery():
-    from agentrl.evaluate import score
+    from agentrl.stages.evaluate import score
 
     ts = make_toolset(None, "inline", environment="countdown")
     row = {"id": "c", "question": "q", "numbers": [3, 5, 3], "target": 24, "ground_truth": "24"}
@@ -598,7 +598,7 @@ def test_majority_vote_of_environment_episodes_uses_their_judgement():
     """With several samples per problem, the vote is over the final answers, each judged as the environment judged
     the samples that gave it (not the answer text against ground_truth: a countdown expression never equals the
     target's number)."""
-    from agentrl.evaluate import score
+    from agentrl.stages.evaluate import score
 
     ts = make_toolset(None, "inline", environment="countdown")
     row = {"id": "c", "question": "q", "numbers": [3, 5, 3], "target": 24, "ground_truth": "24"}
@@ -623,7 +623,7 @@ def test_majority_vote_of_environment_episodes_uses_their_judgement():
 
 
 def test_score_judges_gridworld_by_the_environment_not_the_text():
-    from agentrl.evaluate import score
+    from agentrl.stages.evaluate import score
 
     ts = make_toolset(None, "inline", environment="gridworld", env_kwargs={"slip_prob": 0.0})
     base = {"question": "q", "grid": ["S.", ".G"], "start": [0, 0], "goal": [1, 1], "seed": 0, "ground_truth": "goal"}
@@ -642,7 +642,7 @@ def test_score_judges_gridworld_by_the_environment_not_the_text():
 
 
 def test_rewards_read_solved_flags_and_trl_environments():
-    from agentrl import rewards
+    from agentrl.agent import rewards
 
     comps = ["#### (3+5)*3", "#### 24", "no answer line"]
     assert rewards.accuracy(comps, ["24"] * 3, solved=[True, False, None]) == [1.0, 0.0, 0.0]
@@ -674,9 +674,9 @@ def test_rewards_read_solved_flags_and_trl_environments():
 
 
 def test_prepare_countdown_writes_rows_that_reset_the_environment(workdir):
-    from agentrl import prepare
     from agentrl.config import validate_params
     from agentrl.data import load_jsonl
+    from agentrl.stages import prepare
 
     p = mini_params()
     p["agent"].update(tools=[], environment="countdown")
@@ -703,9 +703,9 @@ def test_prepare_countdown_writes_rows_that_reset_the_environment(workdir):
 
 
 def test_prepare_gridworld_reports_the_test_ceiling(workdir):
-    from agentrl import prepare
     from agentrl.config import validate_params
     from agentrl.data import load_jsonl
+    from agentrl.stages import prepare
 
     p = mini_params()
     p["agent"].update(tools=[], environment="gridworld")
@@ -779,7 +779,7 @@ class TwoTools(Tally):
 
 def test_sft_check_lengths_names_the_key_when_nothing_fits():
     from agentrl.config import validate_params
-    from agentrl.sft import check_lengths
+    from agentrl.stages.sft import check_lengths
 
     feats = [{"input_ids": list(range(15)), "completion_mask": [0] * 10 + [1] * 5}] * 3
     p = mini_params()
@@ -794,7 +794,7 @@ def test_sft_check_calls_warns_when_demonstrations_outrun_max_tool_calls():
     """A demonstration with more calls than agent.max_tool_calls is one the loop would cut off: the warning names the
     count, the row, the file and the value to raise the key to; within the limit it says nothing."""
     from agentrl.config import validate_params
-    from agentrl.sft import check_calls
+    from agentrl.stages.sft import check_calls
 
     p = mini_params()
     p["agent"]["max_tool_calls"] = 4
@@ -835,9 +835,9 @@ def test_chat_base_tokenizer_takes_the_tool_description_as_one_token(workdir):
     holds that system block as one added token, so a prompt costs tens of tokens, and decoding gives the text back."""
     from transformers import AutoTokenizer
 
-    from agentrl import base, prepare
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.config import load_params
-    from agentrl.tools import toolset_from_params
+    from agentrl.stages import base, prepare
     from conftest import mini_params, write_params
 
     p = mini_params()
@@ -868,7 +868,7 @@ def test_chat_base_tokenizer_takes_the_tool_description_as_one_token(workdir):
 def test_grpo_summary_falls_back_to_trls_tool_metric_in_trls_loop():
     """grpo_train.json's tool_calls_per_completion_last: our loop's tools/tool_calls_per_problem, else (agent.format
     chat, TRL's environment_factory loop) TRL's tools/call_frequency; it was null for chat runs."""
-    from agentrl.grpo import _series
+    from agentrl.stages.grpo import _series
 
     keys = ("tools/tool_calls_per_problem", "tools/call_frequency")
     trl = [{"tools/call_frequency": 1.5}, {"loss": 0.1}, {"tools/call_frequency": 2.0}]

@@ -1,7 +1,7 @@
 import pytest
 
-from agentrl.compare import mcnemar_exact, paired_test
-from agentrl.evaluate import score, wilson_interval
+from agentrl.stages.compare import mcnemar_exact, paired_test
+from agentrl.stages.evaluate import score, wilson_interval
 from conftest import tiny_lm
 
 ROWS = [
@@ -80,7 +80,7 @@ def test_generate_drops_ended_rows_and_matches_one_generate_call():
     import torch
 
     from agentrl.data import generate_synthetic
-    from agentrl.evaluate import generate
+    from agentrl.stages.evaluate import generate
 
     train, test = generate_synthetic(1, 300, 40, 1, 19, ["+", "*"], {1: 0.5, 2: 0.5})
     tok, model = tiny_lm([r["question"] + r["answer"] for r in train], 300, num_hidden_layers=2)

@@ -1,12 +1,12 @@
-"""agentrl.exp_queue: the DVC queue run to the end when its worker exits early (the `dvc exp run --run-all` hang of
-treeverse/dvc#10398 / #10562), and a clear stop when a task is left running with no worker. The queue's states are
-scripted here; tests/test_sweep.py runs the real queue end to end."""
+"""agentrl.experiments.queue: the DVC queue run to the end when its worker exits early (the `dvc exp run --run-all`
+hang of treeverse/dvc#10398 / #10562), and a clear stop when a task is left running with no worker. The queue's states
+are scripted here; tests/test_sweep.py runs the real queue end to end."""
 
 from __future__ import annotations
 
 import pytest
 
-from agentrl import exp_queue
+from agentrl.experiments import queue as exp_queue
 
 
 @pytest.fixture

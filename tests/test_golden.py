@@ -38,7 +38,7 @@ if sys.argv[3]:
     os.cpu_count = lambda: int(sys.argv[3])  # the stages' native thread choice (common.configure_cpu_threads)
     os.sched_getaffinity = lambda pid: set(range(int(sys.argv[3])))
 import agentrl  # applies params.yaml `reproducibility` before torch starts
-from agentrl import base, grpo, prepare, sft
+from agentrl.stages import base, grpo, prepare, sft
 from agentrl.config import load_params
 from agentrl.reproducibility import state
 params = load_params()

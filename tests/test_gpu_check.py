@@ -40,8 +40,8 @@ def test_local_dir_base_model_loads_offline_in_target_dtype(workdir, tiny_model_
     model.precision's dtype, and records a digest of the directory instead of a hub commit."""
     import huggingface_hub
 
-    from agentrl import base
     from agentrl.config import validate_params
+    from agentrl.stages import base
 
     def no_hub(*a, **k):
         raise AssertionError("hub lookup for a local directory")
@@ -119,8 +119,8 @@ def test_baked_chat_template_kwargs_keep_trl_tool_loop_working():
     parser and the training template on the unbaked text, then puts the tokenizer's own template back."""
     from trl.chat_template_utils import get_training_chat_template, qwen3_chat_template
 
-    from agentrl.grpo import baked_tool_template
     from agentrl.modeling import bake_chat_template_kwargs, train_tokenizer
+    from agentrl.stages.grpo import baked_tool_template
 
     tok = train_tokenizer(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
     tok.chat_template = qwen3_chat_template

@@ -52,7 +52,7 @@ def jsonl_params(workdir: Path, train: str, test: str, **data):
     ],
 )
 def test_unreadable_or_empty_train_file_is_an_error_naming_it(workdir, kind, message):
-    from agentrl import prepare
+    from agentrl.stages import prepare
 
     bad = workdir / "train.jsonl"
     if kind == "empty":
@@ -82,14 +82,14 @@ def test_directory_input_exits_cleanly_naming_it(workdir):
     (workdir / "train.jsonl").mkdir()
     write_rows(workdir / "test.jsonl", rows(100, 110))
     jsonl_params(workdir, "train.jsonl", "test.jsonl")
-    r = subprocess.run([sys.executable, "-m", "agentrl.prepare"], cwd=workdir, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "agentrl.stages.prepare"], cwd=workdir, capture_output=True, text=True)
     assert r.returncode == 1, r.stderr
     assert "train.jsonl: is a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_zero_usable_rows_after_dropping_is_an_error(workdir):
     """The same file as train and test with on_bad_rows: drop left 0 training rows and exited 0."""
-    from agentrl import prepare
+    from agentrl.stages import prepare
 
     write_rows(workdir / "all.jsonl", rows(0, 10))
     params = jsonl_params(workdir, "all.jsonl", "all.jsonl", on_bad_rows="drop")
@@ -101,7 +101,7 @@ def test_zero_usable_rows_after_dropping_is_an_error(workdir):
 
 def test_zero_problems_is_an_evaluation_error_naming_the_file(workdir):
     from agentrl.config import load_params
-    from agentrl.evaluate import TEST, evaluate
+    from agentrl.stages.evaluate import TEST, evaluate
 
     Path(TEST).parent.mkdir(parents=True)
     Path(TEST).write_text("\n")
@@ -112,7 +112,7 @@ def test_zero_problems_is_an_evaluation_error_naming_the_file(workdir):
 
 def test_jsonl_source_outside_the_stage_deps_is_refused(workdir):
     """With the project's dvc.yaml, a source file DVC does not watch is an error naming the key."""
-    from agentrl import prepare
+    from agentrl.stages import prepare
 
     (workdir / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
     write_rows(workdir / "train.jsonl", rows(0, 10))

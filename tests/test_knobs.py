@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agentrl import grpo, sft
 from agentrl.config import DERIVED, ParamsError, validate_params
-from agentrl.stage import peft_config
+from agentrl.stages import grpo, sft
+from agentrl.stages.training import peft_config
 from conftest import mini_params, raw_params, tiny_lm
 
 
@@ -58,7 +58,7 @@ def test_grpoconfig_knobs_no_code_names_reach_the_trainer(tmp_path, tiny_model_a
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from agentrl.rewards import build_rewards
+    from agentrl.agent.rewards import build_rewards
 
     knobs = {"num_iterations": 3, "epsilon_high": 0.28, "mask_truncated_completions": True}
     p = mini_params()
@@ -234,7 +234,7 @@ def test_reward_kwargs_reach_reward_functions():
     p["grpo"]["rewards"] = {"length_penalty": 1.0}
     p["grpo"]["reward_kwargs"].update(length_max=4, length_weight=2.0)
     params = validate_params(p)
-    from agentrl.rewards import build_rewards
+    from agentrl.agent.rewards import build_rewards
 
     funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
     assert funcs[0](["12345678"]) == [pytest.approx(-2.0 * 4 / 4)]

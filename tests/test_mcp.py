@@ -1,4 +1,4 @@
-"""The MCP server (agentrl.mcp_server) driven over stdio by the official SDK's client."""
+"""The MCP server (agentrl.api.mcp_server) driven over stdio by the official SDK's client."""
 
 import asyncio
 import json
@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from agentrl import agent_api, agent_checks, mcp_server
+from agentrl.api import actions as agent_api
+from agentrl.api import checks as agent_checks
+from agentrl.api import mcp_server
 from conftest import tool_env
 from test_agent_api import make_repo, sh, snapshot
 
@@ -22,7 +24,7 @@ def repo(copy_repo, monkeypatch):
 def server_params(repo: Path) -> StdioServerParameters:
     env = tool_env("disabled")
     return StdioServerParameters(
-        command=sys.executable, args=["-m", "agentrl.mcp_server", "--repo", str(repo)], env=env, cwd=str(repo)
+        command=sys.executable, args=["-m", "agentrl.api.mcp_server", "--repo", str(repo)], env=env, cwd=str(repo)
     )
 
 

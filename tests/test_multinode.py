@@ -60,9 +60,9 @@ def multinode(run: Path, stage: str, port: int, timeout_s: int = 1200) -> list[s
 
 
 def test_two_machine_ranks_match_two_processes_on_one_machine(copy_repo, tmp_path, monkeypatch):
-    from agentrl import base, prepare
     from agentrl.common import read_metrics
     from agentrl.config import load_params
+    from agentrl.stages import base, prepare
 
     single, multi = copy_repo, tmp_path / "multi"
     p = mini_params()
@@ -75,7 +75,7 @@ def test_two_machine_ranks_match_two_processes_on_one_machine(copy_repo, tmp_pat
     shutil.copytree(single, multi, symlinks=True)  # the same code, params, data and base model on both
 
     for stage in ("sft", "grpo"):
-        accelerate_launch(ROOT / "configs/accelerate/zero2.yaml", f"agentrl.{stage}", single, num_processes=2)
+        accelerate_launch(ROOT / "configs/accelerate/zero2.yaml", f"agentrl.stages.{stage}", single, num_processes=2)
         multinode(multi, stage, free_port())
         for run in (single, multi):
             m = read_metrics(run / f"metrics/{stage}_train.json")

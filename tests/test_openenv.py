@@ -1,4 +1,4 @@
-"""OpenEnv both ways (issue 42): our environments served with openenv-core's `create_app` (env_server.py)
+"""OpenEnv both ways (issue 42): our environments served with openenv-core's `create_app` (envs/openenv_server.py)
 and played over OpenEnv in TRL's environment_factory shape (envs/openenv_client.py, agent.environment_url).
 
 (a) each registered environment's server plays a demonstration through openenv-core's own GenericEnvClient and
@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from agentrl.env_server import JUDGE_TOOL, serve_in_thread
+from agentrl.agent.tools import _ANNOTATION, ENVIRONMENTS, TASKS, environment_tools, episode_solved
 from agentrl.envs.openenv_client import OpenEnvError, remote_environment_class
-from agentrl.tools import _ANNOTATION, ENVIRONMENTS, TASKS, environment_tools, episode_solved
+from agentrl.envs.openenv_server import JUDGE_TOOL, serve_in_thread
 from conftest import mini_params, tiny_lm
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -53,7 +53,7 @@ def test_served_environment_plays_an_episode_through_openenv_core_client_as_in_p
     from openenv.core import GenericEnvClient
 
     if REGISTRY_NAMES.get(name, name) not in ENVIRONMENTS:
-        pytest.skip(f"'{name}' is not registered in agentrl.tools.ENVIRONMENTS yet")
+        pytest.skip(f"'{name}' is not registered in agentrl.agent.tools.ENVIRONMENTS yet")
     row, arguments, answer = _episode_of(name)
     local = ENVIRONMENTS[name]()
     tools = environment_tools(local)
@@ -354,8 +354,8 @@ def _grpo_run(params, tok, model_state, rows, tmp_path, tag: str):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from agentrl.grpo import rollout_plan
-    from agentrl.rewards import build_rewards
+    from agentrl.agent.rewards import build_rewards
+    from agentrl.stages.grpo import rollout_plan
 
     model = copy.deepcopy(model_state)
     args = GRPOConfig(

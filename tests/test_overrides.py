@@ -1,4 +1,4 @@
-"""agentrl.overrides is the one place dotted params keys are read, written, flattened and rendered for
+"""agentrl.experiments.overrides is the one place dotted params keys are read, written, flattened and rendered for
 `dvc exp run -S`: no other module of src/ or scripts/ does it by hand, and what each caller's arguments make
 DVC write into params.yaml is the value asked for."""
 
@@ -6,10 +6,10 @@ import ast
 
 import pytest
 
-from agentrl import overrides
+from agentrl.experiments import overrides
 from conftest import ROOT
 
-MODULE = "src/agentrl/overrides.py"
+MODULE = "src/agentrl/experiments/overrides.py"
 # Dotted-key walks outside overrides on purpose, each with its reason (not override logic: no params key is
 # rendered or set from a request there). The test fails when one is gone (drop it here) as when a new one appears.
 ELSEWHERE = {
@@ -138,7 +138,7 @@ def run(args):
 
 
 def test_no_override_logic_outside_its_module():
-    """src/ and scripts/ leave dotted keys and `-S` rendering to agentrl.overrides (file:line named)."""
+    """src/ and scripts/ leave dotted keys and `-S` rendering to agentrl.experiments.overrides (file:line named)."""
     sites = {}
     for path in sorted([*ROOT.glob("src/**/*.py"), *ROOT.glob("scripts/**/*.py")]):
         rel = path.relative_to(ROOT).as_posix()
@@ -147,7 +147,7 @@ def test_no_override_logic_outside_its_module():
         for line, fn, what in override_logic(path.read_text()):
             sites.setdefault(f"{rel}:{fn}", []).append(f"{rel}:{line} ({fn}): {what}")
     new = [s for site, found in sites.items() if site not in ELSEWHERE for s in found]
-    assert not new, "override logic outside agentrl.overrides (use it instead):\n" + "\n".join(new)
+    assert not new, "override logic outside agentrl.experiments.overrides (use it instead):\n" + "\n".join(new)
     gone = sorted(set(ELSEWHERE) - set(sites))
     assert not gone, f"no longer found, remove from ELSEWHERE: {gone}"
 

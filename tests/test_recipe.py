@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from agentrl.overrides import get, leaves
+from agentrl.experiments.overrides import get, leaves
 from conftest import ROOT, tiny_lm
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -38,10 +38,11 @@ def stand_in(tmp_path):
 
 
 def test_recipe_overrides_reach_every_config(tmp_path, stand_in):
-    from agentrl import grpo, sft, stage
-    from agentrl.base import load_tokenizer_hub
     from agentrl.config import load_params, load_yaml
     from agentrl.modeling import bake_chat_template_kwargs, load_model
+    from agentrl.stages import grpo, sft
+    from agentrl.stages import training as stage
+    from agentrl.stages.base import load_tokenizer_hub
 
     params_file = tmp_path / "params.yaml"
     shutil.copy(ROOT / "params.yaml", params_file)

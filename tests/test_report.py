@@ -1,5 +1,5 @@
-"""`make report` (agentrl.report): CI bars, comparison table and example completions with their tool calls, from
-headline metrics and predictions; a missing input is an error naming the file and its stage."""
+"""`make report` (agentrl.experiments.report): CI bars, comparison table and example completions with their tool
+calls, from headline metrics and predictions; a missing input is an error naming the file and its stage."""
 
 import json
 import shutil
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl import report
+from agentrl.experiments import report
 
 ROOT = Path(__file__).resolve().parents[1]
 # distinctive values, so that each one can only come from its file

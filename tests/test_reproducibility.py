@@ -96,7 +96,7 @@ def _state(cwd, code=STATE, env=None):
 
 
 def test_importing_agentrl_pins_the_kernels_before_torch_starts(tmp_path):
-    """A stage process (`python -m agentrl.<stage>`) imports the package first: params.yaml's mode is in effect
+    """A stage process (`python -m agentrl.stages.<stage>`) imports the package first: params.yaml's mode is in effect
     in torch (ATen AVX2 kernels) and MKL (COMPATIBLE branch) whatever the environment asked for."""
     if rep.cpu_problem():
         pytest.skip(rep.cpu_problem())

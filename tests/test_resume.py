@@ -13,8 +13,8 @@ from test_resume_kill import final_weights, killed, run_stage, train_in_process
 def test_sft_killed_midway_resumes(workdir):
     """SIGKILL in the training step after checkpoint-20 was saved (between saves); the re-run resumes from it and
     ends with the uninterrupted run's adapter bytes; a changed config then trains from the start."""
-    from agentrl import base, prepare
     from agentrl.config import load_params
+    from agentrl.stages import base, prepare
 
     p = mini_params()
     p["sft"]["trainer"].update(max_steps=40, save_steps=20, logging_steps=20, per_device_train_batch_size=4)
@@ -34,7 +34,9 @@ def test_sft_killed_midway_resumes(workdir):
     assert not (workdir / "checkpoints/sft/checkpoint-40").exists()
 
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "agentrl.stages.sft"], cwd=workdir, env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     m = read_metrics(workdir / "metrics/sft_train.json")
     assert m["resumed_from"] and m["resumed_from"].endswith("checkpoint-20"), m
@@ -46,6 +48,8 @@ def test_sft_killed_midway_resumes(workdir):
     p["sft"]["trainer"]["learning_rate"] = 1e-3
     p["sft"]["trainer"]["max_steps"] = 30
     write_params(workdir / "params.yaml", p)
-    r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "agentrl.stages.sft"], cwd=workdir, env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_metrics(workdir / "metrics/sft_train.json")["resumed_from"] is None

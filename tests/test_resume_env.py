@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from agentrl.scratch import copy_repo
+from agentrl.experiments.scratch import copy_repo
 from conftest import ROOT, accelerate_launch, mini_params, write_params
 from test_resume_kill import write_checkpoint
 
 
 def test_launch_environment_digest(workdir, monkeypatch):
     from agentrl.config import validate_params
-    from agentrl.stage import run_environment_digest
+    from agentrl.stages.training import run_environment_digest
 
     cfg = workdir / "configs/accelerate/single.yaml"
     cfg.parent.mkdir(parents=True)
@@ -67,14 +67,15 @@ def test_model_files_digest_covers_every_shard(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("stage", "not_a_dep", "dep"), [("sft", "rewards.py", "data.py"), ("grpo", "serve.py", "rewards.py")]
+    ("stage", "not_a_dep", "dep"),
+    [("sft", "agent/rewards.py", "data.py"), ("grpo", "serving/app.py", "agent/rewards.py")],
 )
 def test_checkpoint_resumes_after_edits_outside_the_stage_code_only(stage, not_a_dep, dep, tmp_path, monkeypatch):
-    """The fingerprint's code is the stage's dvc.yaml deps under src/: editing another module (serve.py, or
-    rewards.py for sft) keeps a checkpoint resumable; editing one of its modules, or a file of a package
+    """The fingerprint's code is the stage's dvc.yaml deps under src/: editing another module (serving/app.py, or
+    agent/rewards.py for sft) keeps a checkpoint resumable; editing one of its modules, or a file of a package
     directory it depends on (envs/), trains from the start. __pycache__ files do not count."""
-    from agentrl import stage as skeleton
     from agentrl.config import validate_params
+    from agentrl.stages import training as skeleton
 
     repo = tmp_path / "repo"  # a copy of the code the fingerprint reads: edited here, not in the checkout
     shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__"))
@@ -118,8 +119,8 @@ def test_sft_resume_respects_launch_config_and_reports_its_own_segment(workdir):
     """1. a changed accelerate config (same path, other contents) trains from scratch, not from the old
     checkpoint; 2. a resumed run's seconds_per_step divides its time by the steps it ran, and its DVCLive
     loss curve holds every step of the run once."""
-    from agentrl import base, prepare, sft
     from agentrl.config import load_params
+    from agentrl.stages import base, prepare, sft
 
     cfg = workdir / "configs/accelerate/single.yaml"
     cfg.parent.mkdir(parents=True)
@@ -165,8 +166,9 @@ def test_repro_then_zero2_and_ddp_train_from_scratch(workdir):
     """`make repro` (single process) followed by `make train-zero2 NPROC=2` and `make train-ddp NPROC=2` in the
     same checkout: each trains from scratch under its config (it crashed: DeepSpeed could not load the
     single-process checkpoint the old fingerprint let it "resume")."""
-    from agentrl import base, common, prepare
+    from agentrl import common
     from agentrl.config import load_params
+    from agentrl.stages import base, prepare
 
     copy_repo(ROOT, workdir, only=("configs",))
     p = mini_params()
@@ -175,12 +177,12 @@ def test_repro_then_zero2_and_ddp_train_from_scratch(workdir):
     prepare.prepare(params)
     base.build_tiny(params)
     for stage in ("sft", "grpo"):
-        _launch("single.yaml", f"agentrl.{stage}", workdir)
+        _launch("single.yaml", f"agentrl.stages.{stage}", workdir)
     for config in ("zero2.yaml", "ddp.yaml"):
         p["distributed"].update(accelerate_config=f"configs/accelerate/{config}", num_processes=2)
         write_params(workdir / "params.yaml", p)
         for stage in ("sft", "grpo"):
-            _launch(config, f"agentrl.{stage}", workdir)
+            _launch(config, f"agentrl.stages.{stage}", workdir)
             m = common.read_metrics(workdir / f"metrics/{stage}_train.json")
             assert m["resumed_from"] is None and m["num_processes"] == 2, (config, stage, m)
             assert m["distributed_type"] == ("DEEPSPEED" if config == "zero2.yaml" else "MULTI_CPU"), m

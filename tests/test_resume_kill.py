@@ -200,7 +200,7 @@ def test_no_complete_checkpoint_trains_from_the_start(checkpoints, caplog):
 
 
 # ----------------------------------------------------------------------------------- real kills (slow)
-# Runs `python -m agentrl.<stage>` with hooks on the Trainer's own save methods, so a SIGKILL lands exactly
+# Runs `python -m agentrl.stages.<stage>` with hooks on the Trainer's own save methods, so a SIGKILL lands exactly
 # where the plan (JSON in KILL_PLAN) says:
 #   {"kind": "inside", "step": S, "method": M, "when": "before"|"after", "cut": bool}: the process kills itself
 #     before or after method M writes into checkpoint-S (cut: first cutting the newest file there to half, as a
@@ -248,7 +248,7 @@ def step_then_maybe_die(self, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return training_step(self, *args, **kwargs)
 Trainer.training_step = step_then_maybe_die
-runpy.run_module(f"agentrl.{sys.argv[1]}", run_name="__main__")
+runpy.run_module(f"agentrl.stages.{sys.argv[1]}", run_name="__main__")
 """
 SAVE_METHODS = ["save_model", "_save_optimizer_and_scheduler", "_save_rng_state", "save_to_json"]
 
@@ -297,7 +297,7 @@ def train_in_process(stage: str) -> None:
 
     from agentrl.config import load_params
 
-    importlib.import_module(f"agentrl.{stage}").train(load_params())
+    importlib.import_module(f"agentrl.stages.{stage}").train(load_params())
 
 
 def kill_and_resume_until_done(stage: str, cwd: Path, max_steps: int, save_steps: int) -> None:
@@ -342,8 +342,8 @@ def kill_and_resume_until_done(stage: str, cwd: Path, max_steps: int, save_steps
 @pytest.fixture
 def prepared(workdir):
     """The mini pipeline's data and base model in workdir, W&B and trackers off."""
-    from agentrl import base, prepare
     from agentrl.config import load_params
+    from agentrl.stages import base, prepare
 
     p = mini_params()
     p["tracking"]["report_to"] = []

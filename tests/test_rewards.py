@@ -1,8 +1,8 @@
 import pytest
 
-from agentrl import rewards
+from agentrl.agent import rewards
+from agentrl.agent.rewards import build_rewards, get_reward
 from agentrl.answers import answers_match, extract_answer, normalize_number
-from agentrl.rewards import build_rewards, get_reward
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_registry_unknown_name_lists_known():
 
 
 def test_registry_custom_import_path():
-    fn = get_reward("agentrl.rewards:format")
+    fn = get_reward("agentrl.agent.rewards:format")
     assert fn([RIGHT]) == [1.0]
     with pytest.raises(ValueError, match="cannot import"):
         get_reward("no.such.module:fn")

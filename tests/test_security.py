@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl import agent_api, agent_checks, config, overrides
-from agentrl.scratch import GIT_IDENTITY, copy_repo
+from agentrl import config
+from agentrl.api import actions as agent_api
+from agentrl.api import checks as agent_checks
+from agentrl.experiments import overrides
+from agentrl.experiments.scratch import GIT_IDENTITY, copy_repo
 from conftest import ROOT, mini_params, tool_env
 
 SECRET = "probe-secret-" + hashlib.sha256(os.urandom(16)).hexdigest()[:20]
@@ -244,11 +247,13 @@ def test_reward_import_paths_cannot_be_added_by_an_override(repo, fake):
 def test_import_paths_the_users_params_name_stay_usable(repo, fake):
     """The allowlist is the registry plus what params.yaml itself names: the user's own module:function."""
     p = config.load_yaml(repo / "params.yaml")
-    p["agent"]["tools"] = ["agentrl.tools:calculator"]
+    p["agent"]["tools"] = ["agentrl.agent.tools:calculator"]
     (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
-    assert "error" not in run(repo, {"agent.tools": ["agentrl.tools:calculator"], "seed": 3})
+    assert "error" not in run(repo, {"agent.tools": ["agentrl.agent.tools:calculator"], "seed": 3})
     assert "error" not in run(repo, {"agent.tools": ["calculator"]}, name="probe2")
-    refused(run(repo, {"agent.tools": ["agentrl.tools:format_number"]}, name="probe3"), "not_allowed", "agent.tools")
+    refused(
+        run(repo, {"agent.tools": ["agentrl.agent.tools:format_number"]}, name="probe3"), "not_allowed", "agent.tools"
+    )
 
 
 def test_validation_imports_no_module(monkeypatch):
@@ -410,7 +415,7 @@ def test_stage_commands_run_the_projects_interpreter_whatever_python_is_on_path(
         assert lines[-1].startswith(f"venv-python -m {module}"), (name, lines)
         if name in ("sft", "grpo"):
             assert "-m accelerate.commands.launch --config_file configs/accelerate/single.yaml" in lines[-1]
-            assert lines[-1].endswith(f"-m agentrl.{name}")
+            assert lines[-1].endswith(f"-m agentrl.stages.{name}")
 
 
 def test_stage_python_names_an_interpreter_without_the_package(tmp_path):
@@ -419,7 +424,7 @@ def test_stage_python_names_an_interpreter_without_the_package(tmp_path):
     (fakebin / "python3").write_text("#!/bin/sh\nexit 1\n")
     (fakebin / "python3").chmod(0o755)
     r = subprocess.run(
-        ["sh", str(ROOT / "scripts/stage-python.sh"), "-m", "agentrl.prepare"],
+        ["sh", str(ROOT / "scripts/stage-python.sh"), "-m", "agentrl.stages.prepare"],
         env={"PATH": f"{fakebin}:/usr/bin:/bin", "DVC_ROOT": str(tmp_path)},
         capture_output=True,
         text=True,
@@ -471,9 +476,9 @@ def test_a_finished_checkpoint_is_not_resumed(tmp_path):
 def test_rerunning_sft_with_its_final_checkpoint_trains_the_same_steps(workdir):
     """Issue 26 item 10: SFT re-run with its final checkpoint present used to log 'resuming from checkpoint-N'
     and record N + 1 steps; now it trains from the start and records N."""
-    from agentrl import base, prepare
     from agentrl.common import read_metrics
     from agentrl.config import load_params
+    from agentrl.stages import base, prepare
 
     p = mini_params()
     p["sft"]["trainer"].update(max_steps=6, save_steps=3)
@@ -484,7 +489,9 @@ def test_rerunning_sft_with_its_final_checkpoint_trains_the_same_steps(workdir):
     base.build_tiny(params)
     env = {**os.environ, "WANDB_MODE": "disabled"}
     for _ in range(2):
-        r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=workdir, env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "agentrl.stages.sft"], cwd=workdir, env=env, capture_output=True, text=True
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         m = read_metrics(workdir / "metrics/sft_train.json")
         assert m["steps"] == 6 and m["resumed_from"] is None, m
@@ -512,7 +519,7 @@ HOSTILE = [
     "PIL.ImageMath:unsafe_eval",
     "this:s",
     "builtins:eval",
-    "agentrl.tools:calculator",
+    "agentrl.agent.tools:calculator",
     "/etc/passwd",
     "../../etc/passwd",
     "~/.ssh/id_rsa",

@@ -11,9 +11,9 @@ import sys
 import pytest
 import yaml
 
-from agentrl.card import read_seeds, seed_summary
-from agentrl.compare import mcnemar_exact
-from agentrl.scratch import git_commit_all
+from agentrl.experiments.scratch import git_commit_all
+from agentrl.stages.card import read_seeds, seed_summary
+from agentrl.stages.compare import mcnemar_exact
 from conftest import ROOT, mini_params, tool_env
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -70,8 +70,8 @@ def test_markdown_and_readme_block(tmp_path):
     assert not seeds.update_readme(md, readme) and readme.read_text() == "no markers\n"
 
 
-def test_the_readme_has_the_seeds_block():
-    text = (ROOT / "README.md").read_text()
+def test_the_results_doc_has_the_seeds_block():
+    text = (ROOT / seeds.README).read_text()
     assert text.count(seeds.MARKERS[0]) == 1 and text.index(seeds.MARKERS[0]) < text.index(seeds.MARKERS[1])
 
 
@@ -95,7 +95,7 @@ def test_card_seed_summary(tmp_path):
 
 
 def test_report_shows_the_seed_spread_or_says_there_is_none(tmp_path):
-    from agentrl import report
+    from agentrl.experiments import report
     from test_report import write_fixture
 
     write_fixture(tmp_path)
@@ -182,7 +182,7 @@ def test_seeds_script_end_to_end(copy_repo):
     assert agg["stages"]["sft"]["accuracy"]["mean"] == pytest.approx(statistics.fmean(accs))
     assert (
         seeds.markdown({k: v for k, v in agg.items() if k not in ("commit", "seconds")})
-        in (copy_repo / "README.md").read_text()
+        in (copy_repo / seeds.README).read_text()
     )
     # the experiments ran in temporary copies: no pipeline run here for the card to describe yet
     assert "the model card shows the spread once the pipeline has run here: dvc repro" in out

@@ -85,7 +85,7 @@ def test_the_model_is_loaded_in_the_precision_params_name(tiny_model_dir, tmp_pa
     explicit model.precision is honoured, on CPU too."""
     from fastapi.testclient import TestClient
 
-    from agentrl.serve import app
+    from agentrl.serving.app import app
 
     cfg = mini_params()
     cfg["model"]["precision"] = "bf16"
@@ -103,7 +103,7 @@ def test_a_served_environment_takes_its_knobs_from_params(tiny_model_dir, tmp_pa
     evaluation), not from the environment class's own defaults."""
     from fastapi.testclient import TestClient
 
-    from agentrl.serve import app
+    from agentrl.serving.app import app
 
     cfg = mini_params()
     cfg["agent"].update(tools=[], environment="gridworld")
@@ -234,9 +234,9 @@ def test_confidence_span_is_the_sampled_completion(lively_server, lively_model_d
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.config import validate_params
     from agentrl.serving.engine import chat_prompt_ids
-    from agentrl.tools import toolset_from_params
 
     server = lively_server
     tok = AutoTokenizer.from_pretrained(lively_model_dir)
@@ -631,7 +631,7 @@ def _serve_fails(tmp_path, **env_vars) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_HUB_OFFLINE")}
     env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2", **env_vars)
     r = subprocess.run(
-        [sys.executable, "-m", "uvicorn", "agentrl.serve:app", "--port", str(free_port())],
+        [sys.executable, "-m", "uvicorn", "agentrl.serving.app:app", "--port", str(free_port())],
         cwd=tmp_path,
         env=env,
         capture_output=True,

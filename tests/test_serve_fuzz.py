@@ -205,7 +205,7 @@ def fuzz(model_dir, fmt: str, tmp_path, monkeypatch, cases: int) -> dict:
     from fastapi.testclient import TestClient
     from hypothesis import HealthCheck, Phase, given, settings
 
-    from agentrl.serve import app
+    from agentrl.serving.app import app
 
     cfg = mini_params()
     cfg["serve"].update(max_tokens_limit=8, batch_wait_ms=1)

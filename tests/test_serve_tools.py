@@ -33,8 +33,8 @@ class Hostile(LogitsProcessor):
 
 @pytest.fixture
 def client(tiny_model_dir, tmp_path, monkeypatch):
-    from agentrl.serve import app
     from agentrl.serving import engine
+    from agentrl.serving.app import app
 
     cfg = mini_params()
     cfg["agent"].update(max_tool_calls=1)

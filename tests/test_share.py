@@ -48,7 +48,7 @@ def test_default_remote_is_a_directory_outside_the_checkout():
 
 
 def test_remote_override_is_absolute_for_a_directory_and_kept_for_a_url(tmp_path, monkeypatch):
-    from agentrl.share import OVERRIDE, remote_override
+    from agentrl.experiments.share import OVERRIDE, remote_override
 
     monkeypatch.chdir(tmp_path)
     assert remote_override(None) is None and remote_override("") is None
@@ -98,7 +98,7 @@ def test_push_then_pull_in_a_clone_through_a_one_off_remote(tmp_path):
     run(["dvc", "add", "-q", "data.txt"], a)
     run(["git", "add", "-A"], a)
     run(["git", "commit", "-qm", "data"], a)
-    out = run([sys.executable, "-m", "agentrl.share", "push", "--remote", str(remote)], a).stdout
+    out = run([sys.executable, "-m", "agentrl.experiments.share", "push", "--remote", str(remote)], a).stdout
     assert "dvc push: 1 files" in out and str(remote) in out, out
     assert "dvc exp push: skipped, no git remote 'origin'" in out, out
     assert str(remote) not in (a / ".dvc/config").read_text() and not (a / ".dvc/config.local").exists()
@@ -107,17 +107,21 @@ def test_push_then_pull_in_a_clone_through_a_one_off_remote(tmp_path):
     b = tmp_path / "b"
     run(["git", "clone", "-q", str(a), str(b)], tmp_path)
     assert not (b / "data.txt").exists()
-    out = run([sys.executable, "-m", "agentrl.share", "pull"], b, check=False, env={"DVC_REMOTE": str(remote)})
+    out = run(
+        [sys.executable, "-m", "agentrl.experiments.share", "pull"], b, check=False, env={"DVC_REMOTE": str(remote)}
+    )
     assert out.returncode == 0, out.stderr
     assert (b / "data.txt").read_text() == "shared result\n"
     assert "dvc exp pull origin:" in out.stdout, out.stdout  # the clone has a git remote: experiments pulled too
     assert run(["dvc", "status"], b).stdout.strip() == "Data and pipelines are up to date."
     # an output missing from the local cache and from the remote: an error, not a push of the rest
     shutil.rmtree(a / ".dvc/cache")
-    r = run([sys.executable, "-m", "agentrl.share", "push", "--remote", str(tmp_path / "empty")], a, check=False)
+    r = run(
+        [sys.executable, "-m", "agentrl.experiments.share", "push", "--remote", str(tmp_path / "empty")], a, check=False
+    )
     assert r.returncode == 1 and "in neither the local cache nor remote 'cli'" in r.stderr, (r.stdout, r.stderr)
     # no remote at all: an error naming the variable, not a silent no-op
-    r = run([sys.executable, "-m", "agentrl.share", "push"], a, check=False)
+    r = run([sys.executable, "-m", "agentrl.experiments.share", "push"], a, check=False)
     assert r.returncode == 1 and "DVC_REMOTE" in r.stderr, r.stderr
 
 
@@ -137,7 +141,7 @@ def test_pull_refuses_a_corrupted_remote_naming_the_file(tmp_path):
     run(["dvc", "add", "-q", "models/merged"], a)
     run(["git", "add", "-A"], a)
     run(["git", "commit", "-qm", "model"], a)
-    run([sys.executable, "-m", "agentrl.share", "push", "--remote", str(remote)], a)
+    run([sys.executable, "-m", "agentrl.experiments.share", "push", "--remote", str(remote)], a)
     md5 = hashlib.md5(weights).hexdigest()
     obj = remote / "files/md5" / md5[:2] / md5[2:]
     obj.chmod(0o644)
@@ -147,20 +151,22 @@ def test_pull_refuses_a_corrupted_remote_naming_the_file(tmp_path):
 
     b = tmp_path / "b"
     run(["git", "clone", "-q", str(a), str(b)], tmp_path)
-    r = run([sys.executable, "-m", "agentrl.share", "pull", "--remote", str(remote)], b, check=False)
+    r = run([sys.executable, "-m", "agentrl.experiments.share", "pull", "--remote", str(remote)], b, check=False)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "models/merged/model.safetensors" in r.stderr and "corrupt" in r.stderr and md5 in r.stderr, r.stderr
     assert not (b / "models/merged/model.safetensors").exists()  # nothing unverified was installed
 
     r = run(
-        [sys.executable, "-m", "agentrl.share", "pull", "--remote", str(tmp_path / "no-such-remote")], b, check=False
+        [sys.executable, "-m", "agentrl.experiments.share", "pull", "--remote", str(tmp_path / "no-such-remote")],
+        b,
+        check=False,
     )
     assert r.returncode == 1 and "does not exist" in r.stderr and str(tmp_path / "no-such-remote") in r.stderr
     assert "Is your cache up to date" not in r.stderr, r.stderr
 
     data[10] ^= 0xFF  # the remote repaired: the same pull installs the exact bytes
     obj.write_bytes(bytes(data))
-    run([sys.executable, "-m", "agentrl.share", "pull", "--remote", str(remote)], b)
+    run([sys.executable, "-m", "agentrl.experiments.share", "pull", "--remote", str(remote)], b)
     assert (b / "models/merged/model.safetensors").read_bytes() == weights
 
 
@@ -248,11 +254,11 @@ def fake_run(tmp: Path, *, tools: bool = True, int8: bool = True) -> dict:
 
 
 def test_card_stage_reports_what_it_depends_on():
-    from agentrl.card import CARD, CARD_PARAMS, MERGED, METRICS_FILES
+    from agentrl.stages.card import CARD, CARD_PARAMS, MERGED, METRICS_FILES
 
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     card = stages["card"]
-    assert card["cmd"] == "sh scripts/stage-python.sh -m agentrl.card"
+    assert card["cmd"] == "sh scripts/stage-python.sh -m agentrl.stages.card"
     assert set(card["params"]) == set(CARD_PARAMS)
     assert set(METRICS_FILES) | {str(MERGED)} <= set(card["deps"])
     # its output is outside every other stage's output (DVC refuses overlaps) and holds the card
@@ -271,9 +277,9 @@ def test_card_stage_reports_what_it_depends_on():
 def test_card_carries_the_runs_metrics_and_parses(workdir):
     from huggingface_hub import ModelCard
 
-    from agentrl.card import CARD, write_card
     from agentrl.common import model_files_digest
     from agentrl.config import load_params
+    from agentrl.stages.card import CARD, write_card
 
     m = fake_run(workdir)
     run(["git", "init", "-q"], workdir)
@@ -320,8 +326,8 @@ def test_card_carries_the_runs_metrics_and_parses(workdir):
 def test_card_without_tools_or_int8_says_so(workdir):
     from huggingface_hub import ModelCard
 
-    from agentrl.card import CARD, write_card
     from agentrl.config import load_params
+    from agentrl.stages.card import CARD, write_card
 
     p = mini_params()
     p["agent"]["tools"] = []
@@ -338,8 +344,8 @@ def test_card_without_tools_or_int8_says_so(workdir):
 
 
 def test_card_names_a_missing_metrics_file(workdir):
-    from agentrl.card import write_card
     from agentrl.config import load_params
+    from agentrl.stages.card import write_card
 
     fake_run(workdir)
     (workdir / "metrics/quantize.json").unlink()
@@ -360,7 +366,7 @@ def published(workdir, monkeypatch, capsys):
     """A run with its card, a token in the environment, and the hub replaced by a recorder."""
     from huggingface_hub import HfApi
 
-    import agentrl.card as card
+    import agentrl.stages.card as card
     from agentrl.config import load_params
 
     fake_run(workdir)
@@ -386,7 +392,7 @@ def published(workdir, monkeypatch, capsys):
 
 
 def test_publish_uploads_merged_and_card_in_one_commit(published, workdir, capsys, caplog):
-    import agentrl.card as card
+    import agentrl.stages.card as card
 
     assert card.publish("someone/agentrl-merged", private=True) == "commit-info"
     (_, tok1, repo1, kw1), (_, tok2, repo2, ops, kw2) = published
@@ -402,7 +408,7 @@ def test_publish_uploads_merged_and_card_in_one_commit(published, workdir, capsy
 
 
 def test_publish_refuses_a_stale_card_or_pipeline(published, workdir, monkeypatch):
-    import agentrl.card as card
+    import agentrl.stages.card as card
 
     monkeypatch.setattr(card, "pipeline_changes", lambda: {"grpo": [{"changed deps": {}}]})
     with pytest.raises(card.PublishError, match=r"not up to date.*grpo"):
@@ -534,7 +540,7 @@ def test_clone_and_pull_reproduces_the_pushed_run_without_retraining(copy_repo, 
     # the card is publishable from the clone: the real `dvc status card --with-deps` check passes
     from huggingface_hub import HfApi
 
-    import agentrl.card as card_mod
+    import agentrl.stages.card as card_mod
 
     sent = []
     monkeypatch.chdir(b)

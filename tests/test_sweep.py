@@ -68,9 +68,10 @@ def test_valid_space_and_its_optuna_distributions(tmp_path):
 
 
 def test_a_trials_arguments_make_dvc_write_its_point():
-    """`-S key=value` per key of a point (agentrl.overrides' renderer): DVC's own override code writes exactly the
-    point into params.yaml (the JSON renderer sweeps had before wrote 'é' as '\\u00e9' and doubled backslashes)."""
-    from agentrl import overrides
+    """`-S key=value` per key of a point (agentrl.experiments.overrides' renderer): DVC's own override code writes
+    exactly the point into params.yaml (the JSON renderer sweeps had before wrote 'é' as '\\u00e9' and doubled
+    backslashes)."""
+    from agentrl.experiments import overrides
 
     point = {LR: 1.2345e-4, R: 8, BETA: 0.0, "data.system_prompt": "Réponds: 'End with #### n' \\ fin"}
     args = sweep.set_args(point)

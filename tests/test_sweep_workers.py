@@ -445,7 +445,7 @@ def baseline(tmp_path_factory):
     repository every machine's clone starts from; built once for the module's real-DVC tests."""
     import yaml
 
-    from agentrl.scratch import copy_repo
+    from agentrl.experiments.scratch import copy_repo
 
     top = tmp_path_factory.mktemp("baseline")
     origin = copy_repo(ROOT, top / "origin")

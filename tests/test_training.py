@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.agent.tools import Calculator
 from agentrl.common import read_metrics
-from agentrl.tools import Calculator
 from conftest import mini_params, tiny_lm, write_params
 
 
@@ -18,8 +18,8 @@ def trained(tmp_path_factory):
     """prepare -> base -> sft -> grpo on the miniature config, in a temporary working directory."""
     import os
 
-    from agentrl import base, grpo, prepare, sft
     from agentrl.config import load_params
+    from agentrl.stages import base, grpo, prepare, sft
 
     wd = tmp_path_factory.mktemp("pipeline")
     old = os.getcwd()
@@ -103,9 +103,9 @@ def test_grpo_changes_adapter_and_logs_rewards(trained, monkeypatch):
 
 
 def test_evaluation_and_export_on_trained_model(trained, monkeypatch):
-    from agentrl import export
     from agentrl.answers import answers_match, extract_answer
-    from agentrl.evaluate import evaluate
+    from agentrl.stages import export
+    from agentrl.stages.evaluate import evaluate
 
     monkeypatch.chdir(trained["dir"])
     params = trained["params"]
@@ -148,9 +148,9 @@ def test_evaluation_and_export_on_trained_model(trained, monkeypatch):
 
 
 def test_evaluate_cli_quantize_int8_evaluates_the_quantized_policy(trained, monkeypatch):
-    """`python -m agentrl.evaluate --stage grpo --name grpo_int8 --quantize int8`: the policy goes through
+    """`python -m agentrl.stages.evaluate --stage grpo --name grpo_int8 --quantize int8`: the policy goes through
     quantize.quantize_int8 before it generates, and the metrics say so."""
-    from agentrl import evaluate, quantize
+    from agentrl.stages import evaluate, quantize
 
     monkeypatch.chdir(trained["dir"])
     quantized = []
@@ -172,7 +172,7 @@ def test_export_fails_when_the_merged_model_differs(trained, tmp_path, monkeypat
     (exit status 1) and metrics/export.json records why."""
     import shutil
 
-    from agentrl import export
+    from agentrl.stages import export
 
     work = tmp_path / "w"
     shutil.copytree(trained["dir"], work, ignore=shutil.ignore_patterns("wandb", "runs", "checkpoints"))
@@ -227,8 +227,8 @@ def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
 def test_hub_base_model_path_records_resolved_commit(workdir, monkeypatch):
     """model.base_model: <hub id> goes through from_pretrained at model.revision (patched: no hub here)
     and writes the resolved commit to metrics/base.json."""
-    from agentrl import base
     from agentrl.config import validate_params
+    from agentrl.stages import base
 
     tok, model = tiny_lm(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
     model.config._commit_hash = "0123456789abcdef0123456789abcdef01234567"
@@ -276,9 +276,10 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
     (non-PEFT) model, the adapter's PEFT model otherwise."""
     from transformers import LogitsProcessorList
 
-    from agentrl import agent, grpo
+    from agentrl.agent import loop as agent
     from agentrl.config import validate_params
     from agentrl.modeling import load_policy, load_tokenizer
+    from agentrl.stages import grpo
     from test_agent import ForceCalls
 
     monkeypatch.chdir(trained["dir"])
@@ -343,7 +344,7 @@ def test_bench_grpo_steps_reset_each_episode_with_its_row(trained, monkeypatch):
     them its episodes would have no numbers and target, and the timing would be of a different task)."""
     from datasets import load_dataset
 
-    from agentrl import grpo
+    from agentrl.stages import grpo
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench
@@ -370,10 +371,10 @@ def test_chat_format_pipeline_runs_trl_native_tool_loop(tmp_path, monkeypatch):
     (GRPOTrainer(tools=[calculator])) for a few steps; evaluation runs the same calls through our loop."""
     from trl.chat_template_utils import qwen3_chat_template
 
-    from agentrl import base, grpo, prepare, sft
     from agentrl.config import load_params
-    from agentrl.evaluate import evaluate
     from agentrl.modeling import load_tokenizer
+    from agentrl.stages import base, grpo, prepare, sft
+    from agentrl.stages.evaluate import evaluate
 
     monkeypatch.chdir(tmp_path)
     p = mini_params()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.report import STAGE_COLUMNS
+from agentrl.experiments.report import STAGE_COLUMNS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import wandb_report

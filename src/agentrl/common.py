@@ -1,6 +1,7 @@
 """Helpers the stages and scripts share: logging and process rank, atomic JSON files and each stage's metrics
 files (headline metrics and diagnostics, HEADLINE), precision and CPU threads, file and model-directory digests,
-and the resumable checkpoint of a training stage (the rest of the training stages' skeleton is in stage.py)."""
+and the resumable checkpoint of a training stage (the rest of the training stages' skeleton is in
+stages/training.py)."""
 
 from __future__ import annotations
 

@@ -343,7 +343,7 @@ class EvalParams(Strict):
 
 
 class ExportParams(Strict):
-    quantize: Literal["none", "int8"]  # bitsandbytes on CUDA, torch dynamic int8 on CPU (quantize.py)
+    quantize: Literal["none", "int8"]  # bitsandbytes on CUDA, torch dynamic int8 on CPU (stages/quantize.py)
     max_abs_logit_diff: float = Field(gt=0, le=1e6)
     num_verify_prompts: int = Field(ge=1, le=100_000)
 
@@ -419,7 +419,7 @@ class AgentParams(Strict):
     @field_validator("environment")
     @classmethod
     def _environment(cls, v: Optional[str]) -> Optional[str]:
-        from .tools import ENVIRONMENTS
+        from .envs.registry import ENVIRONMENTS
 
         if v is None or v in ENVIRONMENTS:
             return v
@@ -433,11 +433,11 @@ class AgentParams(Strict):
     @field_validator("tools")
     @classmethod
     def _tools(cls, v: list[str]) -> list[str]:
-        from .tools import REGISTRY
+        from .envs.registry import TOOLS
 
         for name in v:  # checked by form, never imported here (validation runs no module's code); the stage imports
-            if name not in REGISTRY and not IMPORT_PATH.fullmatch(name):
-                known = ", ".join(sorted(REGISTRY))
+            if name not in TOOLS and not IMPORT_PATH.fullmatch(name):
+                known = ", ".join(sorted(TOOLS))
                 raise ValueError(f"unknown tool '{name}'; known: {known} (or a custom one as 'module:function')")
         if len(set(v)) != len(v):
             raise ValueError("a tool is listed twice")
@@ -464,7 +464,7 @@ class Params(Strict):
     @field_validator("environments")
     @classmethod
     def _environments(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        from .tools import TASKS
+        from .envs.registry import TASKS
 
         for name, knobs in v.items():
             if name not in TASKS:
@@ -501,7 +501,7 @@ class Params(Strict):
             )
         if self.agent.format == "inline" and len(self.agent.tools) > 1:
             raise ValueError("agent.format 'inline' (<<expr=) drives one tool; list one in agent.tools or use 'chat'")
-        from .tools import TASKS
+        from .envs.registry import TASKS
 
         env = self.agent.environment
         if env in TASKS and env not in self.environments:  # its rows come from that section (prepare reads num_*)

@@ -15,8 +15,8 @@ changes the bytes of the trained weights (measured: docs/reproducibility.md). `m
 `mode: native` leaves all of them to the CPU (the fastest kernels; the bytes then match only on the same CPU
 model with the same core count). The settings are environment variables that torch and MKL read when they start,
 so `agentrl/__init__.py` calls `apply_from_file()` before any stage imports torch (every stage is
-`python -m agentrl.<stage>`, also under `accelerate launch`, which passes the environment on); `config.load_params`
-calls `apply()` again with the validated params and checks that torch and MKL run what was asked.
+`python -m agentrl.stages.<stage>`, also under `accelerate launch`, which passes the environment on);
+`config.load_params` calls `apply()` again with the validated params and checks that torch and MKL run what was asked.
 """
 
 from __future__ import annotations
@@ -192,6 +192,6 @@ def verify(mode: str) -> dict:
             "reproducibility.mode portable is not in effect: "
             + "; ".join(wrong)
             + ". torch or MKL started computing before agentrl applied it: run the stage as its own process "
-            "(python -m agentrl.<stage>), or import agentrl before torch computes anything"
+            "(python -m agentrl.stages.<stage>), or import agentrl before torch computes anything"
         )
     return s

@@ -9,9 +9,9 @@ Protocol would only test that the names exist:
   method other than `reset` / `get_reward` is one, and TRL builds its JSON schema from the type hints and the
   Google docstring (`transformers.utils.get_json_schema`), so each must have both. `RewardingEnvironment` adds the
   optional `get_reward`; TRL adds it as one more reward column (weight 1) when the class defines it.
-- `TaskModule`: a module under `agentrl.envs` that generates its own rows (`tools.TASKS`): the knobs under
+- `TaskModule`: a module under `agentrl.envs` that generates its own rows (`registry.TASKS`): the knobs under
   params `environments.<name>`, the seeded generator, the instance identity that keeps test instances out of
-  training, and the rule that decides "solved" (`tools.episode_solved`). `CeilingTask` and `KnobCheckingTask` add
+  training, and the rule that decides "solved" (`registry.episode_solved`). `CeilingTask` and `KnobCheckingTask` add
   the optional hooks that prepare.py and config.py call when present.
 """
 
@@ -58,7 +58,7 @@ class RewardingEnvironment(Environment, Protocol):
 
 @runtime_checkable
 class TaskModule(Protocol):
-    """A built-in task: `tools.TASKS[name]`, with `tools.ENVIRONMENTS[name]` its episode class."""
+    """A built-in task: `registry.TASKS[name]`, with `registry.ENVIRONMENTS[name]` its episode class."""
 
     GEN_DEFAULTS: dict  # generation knobs and their defaults; config.py checks params values against their types
     ENV_DEFAULTS: dict  # the episode class's constructor knobs and their defaults
@@ -195,7 +195,7 @@ def check_task_module(module: ModuleType) -> None:
     """Raise TypeError naming the member `module` lacks (or has in the wrong shape) to be a TaskModule.
 
     Args:
-        module: a module registered in tools.TASKS.
+        module: a module registered in registry.TASKS.
     """
     where = getattr(module, "__name__", repr(module))
     missing = [n for n in protocol_members(TaskModule) if not hasattr(module, n)]

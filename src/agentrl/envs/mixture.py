@@ -11,7 +11,7 @@ and `environment_task: <its task>`, and the members' rows are interleaved by a s
 
 Episodes: `member_factories` gives one environment factory per member (the task's class with the member's
 runtime knobs); `tools.Toolset` picks each row's by its `environment`, so "solved" is the member task's own
-rule (`tools.episode_solved`). The inline format drives one tool per episode: every member must have exactly
+rule (`registry.episode_solved`). The inline format drives one tool per episode: every member must have exactly
 one tool (it may differ between members). The chat format renders one tool description for every prompt in
 the project's loop, so there every member must have the same tools.
 """

@@ -1,4 +1,5 @@
-"""An environment served over OpenEnv (agentrl.env_server) as a class in TRL's `environment_factory` shape (issue 42).
+"""An environment served over OpenEnv (agentrl.envs.openenv_server) as a class in TRL's `environment_factory` shape
+(issue 42).
 
 `remote_environment_class(url)` asks the server for its tools (openenv-core's `GenericEnvClient`, WebSocket
 `state`) and returns a class with `reset(**row)`, one method per server tool with the tool's real signature and
@@ -154,7 +155,7 @@ def describe(url: str, timeout_s: float) -> dict:
     if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
         raise OpenEnvError(
             f"openenv server {url}: its state has no 'tools' list of {{name, doc, parameters}}: not an agentrl "
-            f"environment server (python -m agentrl.env_server); got keys {sorted(state or {})[:10]}"
+            f"environment server (python -m agentrl.envs.openenv_server); got keys {sorted(state or {})[:10]}"
         )
     return state
 
@@ -281,7 +282,7 @@ class RemoteEnvironment:
         return text if isinstance(text, str) else json.dumps(text)
 
     def _episode_solved(self, row: dict, text: str) -> Optional[bool]:
-        """Solved by the served environment's own rule (tools.episode_solved on the server, which saw the row)."""
+        """Solved by the served environment's own rule (registry.episode_solved on the server, which saw the row)."""
         try:
             return self._step(JUDGE_TOOL, {"text": text}).observation.get("solved")
         except OpenEnvError:
@@ -371,7 +372,7 @@ def environment_over_openenv(environment_url: str, environment: str, knobs: dict
 def spawn(
     name: str, knobs: Optional[dict] = None, timeout_s: float = STARTUP_TIMEOUT_S
 ) -> tuple[str, subprocess.Popen]:
-    """Start `python -m agentrl.env_server` for `name` on a free 127.0.0.1 port (agent.environment_url:
+    """Start `python -m agentrl.envs.openenv_server` for `name` on a free 127.0.0.1 port (agent.environment_url:
     serve). The child exits when this process's end of its stdin closes (this process exited or died), so it never
     outlives the stage.
 
@@ -383,7 +384,7 @@ def spawn(
     Returns:
         (url, process).
     """
-    cmd = [sys.executable, "-m", "agentrl.env_server", "--env", name, "--port", "0"]
+    cmd = [sys.executable, "-m", "agentrl.envs.openenv_server", "--env", name, "--port", "0"]
     cmd += ["--knobs", json.dumps(knobs or {}), "--exit-with-stdin"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)

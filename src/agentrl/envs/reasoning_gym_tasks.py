@@ -10,6 +10,9 @@ configures them rather than re-implementing them; params `environments.reasoning
   value the dataclass rejects names `environments.reasoning_gym.config.<key>`);
 - `tool`: `calculator` (demonstrations of an arithmetic task whose entry states its `expression` call the
   calculator, `<<4 - 1 - 7=-4>>`, then write the answer) or `none` (demonstrations write the answer only);
+- `tool_share` (default 1): the share of the demonstrations that could call the calculator and do; the rest write
+  the answer only (one draw per instance from its own generator), as `data.calculator_share` does for the default,
+  so that SFT sees both and GRPO learns when calling pays;
 - `num_train`, `num_test`.
 
 Rows: `make_rows` draws seeds from the run's `rng` and generates with reasoning-gym's own generator, so the same seed
@@ -57,6 +60,7 @@ GEN_DEFAULTS: dict = {
     "task": "chain_sum",  # a reasoning-gym dataset name
     "config": {},  # reasoning-gym's own config keys for the task (its config dataclass's fields)
     "tool": "calculator",  # calculator: demonstrations call it where the entry states an expression; none: never
+    "tool_share": 1.0,  # share of those demonstrations that call it; the rest write the answer only (GRPO learns when)
 }
 ENV_DEFAULTS: dict = {}  # the episode has no runtime knobs
 TOOLS = ("calculator", "none")
@@ -218,6 +222,9 @@ def _gen_knobs(knobs: dict) -> dict:
     check_task(k["task"])
     if k["tool"] not in TOOLS:
         raise ValueError(f"{PARAMS}.tool: must be one of {', '.join(TOOLS)}, got {k['tool']!r}")
+    share = k["tool_share"]
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise ValueError(f"{PARAMS}.tool_share: a number from 0 to 1, got {share!r}")
     check_config(k["task"], k["config"])
     return k
 
@@ -266,20 +273,21 @@ def _calculated(expression: str) -> Optional[str]:
         return None
 
 
-def demonstration(entry: dict, tool: str) -> str:
-    """The SFT answer for an entry: `#### <answer>`, after a calculator call when `tool` is calculator, the entry's
-    metadata states an `expression` and the calculator's value is the dataset's answer.
+def demonstration(entry: dict, tool: str, calls: bool = True) -> str:
+    """The SFT answer for an entry: `#### <answer>`, after a calculator call when `tool` is calculator, `calls` is
+    true, the entry's metadata states an `expression` and the calculator's value is the dataset's answer.
 
     Args:
         entry: a reasoning-gym entry (question, answer, metadata).
         tool: "calculator" or "none".
+        calls: false writes the answer only even where the calculator could be called (tool_share's draw).
 
     Returns:
         The demonstration text.
     """
     answer = entry["answer"]
     expression = entry["metadata"].get("expression")
-    if tool == "calculator" and isinstance(expression, str) and _calculated(expression) == answer:
+    if tool == "calculator" and calls and isinstance(expression, str) and _calculated(expression) == answer:
         return f"<<{expression}={answer}>>\n#### {answer}"
     return f"#### {answer}"
 
@@ -314,7 +322,7 @@ def make_rows(
         split: "train" or "test" (the demonstrations are the same for both).
         env_knobs: the episode's knobs (it has none: must be empty).
         exclude: instance_key()s not to generate (the other split's).
-        **gen_knobs: task, config, tool (GEN_DEFAULTS).
+        **gen_knobs: task, config, tool, tool_share (GEN_DEFAULTS).
 
     Returns:
         Rows: question, answer (the demonstration), ground_truth, rg_task, rg_config, rg_entry, reasoning_gym_version.
@@ -350,7 +358,9 @@ def make_rows(
                 f"{PARAMS}: reasoning-gym's {task} scores its own answer below 1 after storing the entry as JSON "
                 f"(entry {index} of seed {seed}); this task is not supported"
             )
-        demo = demonstration(entry, k["tool"])
+        # tool_share's draw: its own generator per instance, so rows (and the other demonstrations) stay as they are
+        calls = k["tool_share"] >= 1.0 or random.Random(f"tool-share-{instance_key(row)}").random() < k["tool_share"]
+        demo = demonstration(entry, k["tool"], calls)
         rows.append({"question": entry["question"], "answer": demo, "ground_truth": entry["answer"], **row})
         rows[-1].update(rg_config=stored_config, reasoning_gym_version=version)
     return rows

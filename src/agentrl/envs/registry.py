@@ -1,5 +1,8 @@
-"""The built-in environments by name: `agent.environment` looks a class up in ENVIRONMENTS, and `prepare` a task
-module (its generator, demonstrations and "solved" rule, envs/contract.py) in TASKS.
+"""The built-in environments and tools by name: `agent.environment` looks a class up in ENVIRONMENTS (or imports
+`module:Class`, get_environment), `prepare` a task module (its generator, demonstrations and "solved" rule,
+envs/contract.py) in TASKS, and `agent.tools` a function in TOOLS. Below the params schema (config.py checks names
+against these dicts) and below the tool loop (agent/tools.py), which share with the OpenEnv server
+(envs/openenv_server.py) the two rules of calling an environment: call_tool and episode_solved.
 
 A new built-in environment is a module in this package that follows envs/contract.py, plus one line in each dict.
 """
@@ -7,11 +10,14 @@ A new built-in environment is a module in this package that follows envs/contrac
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
-from typing import Callable
+from typing import Callable, Optional
 
 from . import countdown, gridworld, gymnasium_toytext, mixture, reasoning_gym_tasks
-from .calculator import Calculator
+from .calculator import Calculator, ToolError, calculator
+
+TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator}  # agent.tools names (tools.get_tool)
 
 ENVIRONMENTS: dict[str, type] = {
     "calculator": Calculator,
@@ -52,3 +58,61 @@ def environment_tools(env) -> dict[str, Callable[..., str]]:
         Tool name -> bound method.
     """
     return {name: getattr(env, name) for name in _tool_names(type(env))}
+
+
+def import_path(name: str, what: str):
+    """The object a `module:attr` path names, or ValueError '<what> '<name>': <why>'."""
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} '{name}': {e}") from None
+
+
+def call_tool(fn: Callable[..., str], *args, **kwargs) -> tuple[str, bool]:
+    """(result text, ok). Any exception becomes 'error: ...' (ok False); never raises."""
+    try:
+        out = fn(*args, **kwargs)
+        return str(out), True
+    except Exception as e:  # a tool's failure is data for the policy, not a crash
+        msg = str(e) if isinstance(e, ToolError) else f"{type(e).__name__}: {e}"
+        return f"error: {msg[:120]}", False
+
+
+def get_environment(name: str) -> type:
+    """An environment class by registry name or `module:Class` import path (agent.environment)."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if ":" in name:
+        cls = import_path(name, "agent.environment: cannot import")
+        if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
+            raise ValueError(f"agent.environment: '{name}' is not a class with a reset(**row) method")
+        return cls
+    raise ValueError(
+        f"agent.environment: unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} "
+        "(or a custom one as 'module:Class')"
+    )
+
+
+def task_of(env) -> Optional[str]:
+    """The built-in task (TASKS key) an environment instance belongs to, or None."""
+    return next((name for name in TASKS if isinstance(env, ENVIRONMENTS[name])), None)
+
+
+def episode_solved(row: dict, text: str, env) -> Optional[bool]:
+    """Whether an episode was solved, by its environment's own rule: a built-in task's `correct(row, text,
+    env)`; a custom environment's `get_reward() >= 1`; None when the environment has neither (the final
+    answer is then matched against the row's ground truth, as for the calculator)."""
+    if env is None:
+        return None
+    if callable(getattr(env, "_episode_solved", None)):  # an environment over OpenEnv: its server applies the rule
+        return env._episode_solved(row, text)
+    task = task_of(env)
+    if task is not None:
+        return bool(TASKS[task].correct(row, text, env))
+    if isinstance(env, Calculator) or not callable(getattr(env, "get_reward", None)):
+        return None
+    try:
+        return float(env.get_reward()) >= 1.0
+    except Exception:  # noqa: BLE001 - a broken reward is an unsolved episode, never a crash
+        return False

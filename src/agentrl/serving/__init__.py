@@ -1,4 +1,4 @@
-"""The HTTP server over a saved model (`uvicorn agentrl.serve:app`; docs/serving.md).
+"""The HTTP server over a saved model (`uvicorn agentrl.serving.app:app`; docs/serving.md).
 
   app.py           the FastAPI app: routes, the model's lifetime
   schema.py        request and response bodies

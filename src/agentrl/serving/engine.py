@@ -23,11 +23,11 @@ from typing import Callable, Optional
 import torch
 from fastapi import Request
 
-from ..agent import generate_with_tools
+from ..agent.loop import generate_with_tools
+from ..agent.tools import toolset_from_params
 from ..answers import find_answer
 from ..config import AgentParams, ServeParams
 from ..modeling import load_model, load_tokenizer
-from ..tools import toolset_from_params
 from .errors import ApiError, ClientGone
 from .openai_tools import ToolPlan, inline_call_end
 from .schema import MIN_TEMPERATURE

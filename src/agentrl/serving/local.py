@@ -1,5 +1,5 @@
 """The server started locally and polled until healthy, on a free port: scripts/loadtest.py,
-scripts/client_tools_eval.py and the tests run `uvicorn agentrl.serve:app` this way."""
+scripts/client_tools_eval.py and the tests run `uvicorn agentrl.serving.app:app` this way."""
 
 from __future__ import annotations
 
@@ -49,12 +49,12 @@ def start_server(
     output: Optional[IO] = None,
     timeout_s: float = 120,
 ) -> tuple[subprocess.Popen, str]:
-    """`uvicorn agentrl.serve:app` on 127.0.0.1:`port` serving `model` (AGENTRL_MODEL_PATH; AGENTRL_PARAMS
+    """`uvicorn agentrl.serving.app:app` on 127.0.0.1:`port` serving `model` (AGENTRL_MODEL_PATH; AGENTRL_PARAMS
     when `params` is given), stdout/stderr to `output` (else inherited); (process, base URL) once healthy."""
     env = {**os.environ, "AGENTRL_MODEL_PATH": str(model)}
     if params is not None:
         env["AGENTRL_PARAMS"] = str(params)
-    cmd = [sys.executable, "-m", "uvicorn", "agentrl.serve:app", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "uvicorn", "agentrl.serving.app:app", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
         cmd + ["--log-level", "warning"],
         env=env,

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from ..tools import InlineFormat
+from ..agent.tools import InlineFormat
 
 MAX_TOOLS = 128  # as OpenAI
 MAX_TOOLS_JSON = 64 * 1024  # characters of all tools' JSON together (the prompt of a chat-format policy)

@@ -1,0 +1,312 @@
+"""Any registered environment served over OpenEnv (issue 42): `python -m agentrl.envs.openenv_server --env countdown`.
+
+The app is openenv-core's own `create_app` around `ServedEnvironment`, which wraps one instance of an environment in
+TRL's `environment_factory` shape (registry.ENVIRONMENTS or `module:Class`) per WebSocket session:
+
+  reset   the row goes in reset's kwargs (`{"type": "reset", "data": row}`); the observation's `text` is what the
+          environment's reset returned (null when it returned None, as TRL's loop needs to know)
+  step    one tool call `{"tool": name, "arguments": {...}}` -> `text` (the tool's answer, or `error: ...` for an
+          unknown tool, bad arguments, an oversized action or a tool that raised), `reward` (the environment's
+          get_reward() after the call, null without one) and `done` (its `done` attribute, false without one)
+  state   the episode id and step count plus `environment`, `knobs`, `has_reward` and `tools`: each tool's name,
+          docstring, parameters (name, annotation as written, JSON default) and return annotation, so a client can
+          rebuild the methods with their real signatures (openenv_client), and its JSON schema for other clients
+
+One more action, `{"tool": "_episode_solved", "arguments": {"text": final_text}}`, answers `solved`: whether the
+episode was solved by the environment's own rule (registry.episode_solved with the row reset saw). A tool's name never
+starts with "_", so the policy cannot reach it through a tool call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import socket
+import sys
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
+from .openenv_client import JUDGE_TOOL, MAX_MESSAGE_BYTES
+
+MAX_TOOL_NAME_CHARS = 64
+MAX_ACTION_CHARS = 8192  # a step's arguments as JSON: bigger is an error observation (no tool takes more)
+MAX_RESULT_CHARS = 65536  # what a tool answers over the wire (our loop then cuts it to tools.MAX_RESULT_CHARS)
+MAX_SESSIONS = 1024  # concurrent episodes (TRL pools one instance per rollout of a batch; ours one per completion)
+
+
+class ToolCallAction(Action):
+    """One tool call: the tool's name and its keyword arguments."""
+
+    tool: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolObservation(Observation):
+    """What reset or a tool call answered (`text`), and for the judge action whether the episode was solved."""
+
+    text: Optional[str] = None
+    solved: Optional[bool] = None
+
+
+def environment_knobs(name: str, env_params: Optional[dict]) -> dict:
+    """The constructor knobs `params.environments.<name>` gives a built-in environment (its runtime knobs, the
+    module's ENV_DEFAULTS keys; generation knobs stay with `prepare`), as tools.toolset_from_params passes them.
+
+    Args:
+        name: an agent.environment value.
+        env_params: params.environments (or None).
+
+    Returns:
+        The keyword arguments for the environment class ({} for a non-task environment).
+    """
+    from .registry import TASKS
+
+    if name not in TASKS:
+        return {}
+    knobs = (env_params or {}).get(name) or {}
+    return {k: v for k, v in knobs.items() if k in TASKS[name].ENV_DEFAULTS}
+
+
+def _annotation_text(annotation) -> Optional[str]:
+    """An annotation as its source text ("str", "Optional[int]"), None when absent."""
+    if annotation is inspect.Parameter.empty:
+        return None
+    if isinstance(annotation, str):  # `from __future__ import annotations`: already the source text
+        return annotation
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return repr(annotation).replace("typing.", "")
+
+
+def tool_spec(name: str, method: Callable) -> dict:
+    """What a client needs to rebuild a tool method: name, docstring, parameters and return annotation (as written),
+    and the JSON schema transformers renders it with (None when it cannot: no docstring or type hints).
+
+    Args:
+        name: the tool's name (the method's).
+        method: the bound method.
+
+    Returns:
+        A JSON-serialisable dict.
+    """
+    from transformers.utils import get_json_schema
+
+    sig = inspect.signature(method)
+    params = []
+    for p in sig.parameters.values():
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            raise ValueError(f"tool '{name}': parameter '{p.name}' is {p.kind.description}; tools take named arguments")
+        entry = {"name": p.name, "annotation": _annotation_text(p.annotation)}
+        if p.default is not p.empty:
+            json.dumps(p.default)  # a default that JSON cannot carry is the server's error, raised at start
+            entry["default"] = p.default
+        params.append(entry)
+    try:
+        schema = get_json_schema(method)
+    except Exception:  # noqa: BLE001 - an undocumented custom tool is still served; only the schema is missing
+        schema = None
+    doc = getattr(method, "__doc__", None)
+    return {
+        "name": name,
+        "doc": doc,
+        "parameters": params,
+        "returns": _annotation_text(sig.return_annotation),
+        "schema": schema,
+    }
+
+
+class ServedEnvironment(Environment):
+    """One environment instance behind one OpenEnv session (the class `create_app` builds per WebSocket)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True  # every session has its own instance; nothing is shared
+
+    def __init__(self, name: str, knobs: dict):
+        from .registry import environment_tools, get_environment
+
+        super().__init__()
+        self.name, self.knobs = name, dict(knobs)
+        self.env = get_environment(name)(**self.knobs)
+        self.tools = environment_tools(self.env)
+        self.has_reward = callable(getattr(self.env, "get_reward", None))
+        self.row: Optional[dict] = None
+        self._state = State(episode_id=None, step_count=0)
+
+    def reset(self, **row: Any) -> ToolObservation:
+        """A new episode: the environment's reset(**row). Every key is the row's, `seed` included (a gridworld row's
+        slip seed), so OpenEnv's own seed/episode_id parameters are not taken from it."""
+        self.row = dict(row)
+        self._state = State(episode_id=uuid.uuid4().hex, step_count=0)
+        obs = self.env.reset(**row)
+        return ToolObservation(text=None if obs is None else str(obs), reward=self._reward(), done=False)
+
+    def step(self, action: ToolCallAction, timeout_s: Optional[float] = None, **kwargs: Any) -> ToolObservation:
+        """One tool call; every failure is an `error: ...` observation, as tools.Episode answers it in-process."""
+        from .registry import call_tool, episode_solved
+
+        self._state.step_count += 1
+        if action.tool == JUDGE_TOOL:
+            text = action.arguments.get("text")
+            solved = episode_solved(self.row or {}, text if isinstance(text, str) else "", self.env)
+            return ToolObservation(text=None, solved=solved, reward=self._reward(), done=self._done())
+        size = len(json.dumps(action.arguments, default=str))
+        fn = self.tools.get(action.tool)
+        if size > MAX_ACTION_CHARS:
+            text = f"error: arguments of {size} characters (at most {MAX_ACTION_CHARS})"
+        elif fn is None:
+            text = f"error: unknown tool '{action.tool[:40]}'; available: {', '.join(self.tools)}"
+        else:
+            text, _ = call_tool(fn, **action.arguments)  # a raise becomes "error: ...", as in our loop
+        return ToolObservation(text=text[:MAX_RESULT_CHARS], reward=self._reward(), done=self._done())
+
+    def _reward(self) -> Optional[float]:
+        return float(self.env.get_reward()) if self.has_reward else None
+
+    def _done(self) -> bool:
+        return bool(getattr(self.env, "done", False))
+
+    @property
+    def state(self) -> State:
+        """OpenEnv's state plus what a client builds its tool methods from."""
+        return State(
+            episode_id=self._state.episode_id,
+            step_count=self._state.step_count,
+            environment=self.name,
+            class_name=type(self.env).__name__,
+            knobs=self.knobs,
+            has_reward=self.has_reward,
+            tools=[tool_spec(name, fn) for name, fn in self.tools.items()],
+        )
+
+
+def build_app(name: str, knobs: Optional[dict] = None, max_sessions: int = MAX_SESSIONS):
+    """The FastAPI app (openenv-core's `create_app`) serving environment `name` with constructor `knobs`; the
+    environment is built once here so that a bad name or knob fails at start, not at the first session.
+
+    Args:
+        name: a registry name (registry.ENVIRONMENTS) or `module:Class`.
+        knobs: the class's constructor keyword arguments.
+        max_sessions: concurrent WebSocket sessions (episodes) at most.
+
+    Returns:
+        The app, for uvicorn.
+    """
+    import functools
+
+    from openenv.core.env_server.http_server import create_app
+
+    factory = functools.partial(ServedEnvironment, name, dict(knobs or {}))
+    factory().state  # noqa: B018 - builds the instance and the tool specs once: errors surface before serving
+    return create_app(factory, ToolCallAction, ToolObservation, env_name=name, max_concurrent_envs=max_sessions)
+
+
+def _quiet_disconnects(app):
+    """The app, except that a WebSocket the client closed first ends quietly: openenv-core's endpoint then closes
+    it again and starlette raises WebSocketDisconnect, which uvicorn would log as an ASGI error (nothing is lost:
+    the session was already destroyed)."""
+    from starlette.websockets import WebSocketDisconnect
+
+    async def wrapped(scope, receive, send):
+        try:
+            await app(scope, receive, send)
+        except WebSocketDisconnect:
+            if scope["type"] != "websocket":
+                raise
+
+    return wrapped
+
+
+def _uvicorn_server(app, host: str):
+    import uvicorn
+
+    config = uvicorn.Config(
+        _quiet_disconnects(app), host=host, log_level="warning", access_log=False, ws_max_size=MAX_MESSAGE_BYTES
+    )
+    return uvicorn.Server(config)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)  # connections wait in the backlog until uvicorn accepts them
+    return sock
+
+
+@dataclass
+class BackgroundServer:
+    """A server running in a thread of this process (tests, the benchmark): `url`, and `stop()`."""
+
+    url: str
+    server: Any
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_in_thread(name: str, knobs: Optional[dict] = None, host: str = "127.0.0.1") -> BackgroundServer:
+    """Serve environment `name` on a free port of `host` from a daemon thread.
+
+    Args:
+        name: a registry name or `module:Class`.
+        knobs: the class's constructor keyword arguments.
+        host: the address to bind.
+
+    Returns:
+        The running server (its URL is http://host:port).
+    """
+    sock = _listening_socket(host, 0)
+    server = _uvicorn_server(build_app(name, knobs), host)
+    server.install_signal_handlers = lambda: None  # not the main thread
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"openenv-{name}")
+    thread.start()
+    return BackgroundServer(f"http://{host}:{sock.getsockname()[1]}", server, thread)
+
+
+def _exit_when_stdin_closes() -> None:
+    sys.stdin.read()  # returns at EOF: the parent is gone
+    os._exit(0)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """The CLI: serve one environment until interrupted (`make env-server ENV=<name> PORT=<port>`)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--env", required=True, help="registry name (calculator, countdown, ...) or module:Class")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="0: a free port (the URL is printed first)")
+    ap.add_argument("--params", default="params.yaml", help="its environments.<env> section gives the knobs")
+    ap.add_argument("--knobs", default=None, help="the knobs as a JSON object instead of --params")
+    ap.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.knobs is not None:
+        knobs = json.loads(a.knobs)
+        if not isinstance(knobs, dict):
+            ap.error(f"--knobs must be a JSON object, got {a.knobs!r}")
+    else:  # read as YAML, not validated as a whole (config imports tools, which imports this package); the
+        import yaml  # environment's constructor checks each knob it takes
+
+        with open(a.params) as f:
+            env_params = (yaml.safe_load(f) or {}).get("environments")
+        if not isinstance(env_params, dict):
+            ap.error(f"--params {a.params}: no 'environments' section (a mapping of environment -> knobs)")
+        knobs = environment_knobs(a.env, env_params)
+    app = build_app(a.env, knobs)
+    sock = _listening_socket(a.host, a.port)
+    print(f"http://{a.host}:{sock.getsockname()[1]}", flush=True)
+    sys.stdout = sys.stderr  # the URL line is the only stdout: `spawn` reads it and nothing drains the pipe after
+    if a.exit_with_stdin:
+        threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
+    _uvicorn_server(app, a.host).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Stage `base`: the starting model, saved to models/base/ (+ metrics/base.json).
+
+* `model.base_model: tiny` (embedded default): trains a digit-split byte-level BPE tokenizer on the
+  prepared training text, builds a Qwen3ForCausalLM from `model.tiny`, and (model.pretrain.enabled)
+  pre-trains it briefly as a plain causal LM on *unlabelled* text: the training questions without
+  their solutions, plus arithmetic facts ("13+18=31"). It never sees a worked solution, the chat
+  format or a '####' answer line, so its accuracy is ~0; SFT then teaches the task. Without this
+  pretraining a from-scratch model has nothing for LoRA to adapt (see README).
+* a hub id (e.g. Qwen/Qwen3-0.6B): `from_pretrained` at `model.revision`; the resolved commit is
+  written to metrics/base.json so dvc.lock pins it.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from ..agent.tools import Calculator, split_annotated, toolset_from_params
+from ..common import (
+    get_logger,
+    model_files_digest,
+    peak_rss_mb,
+    precision_kwargs,
+    resolve_precision,
+    torch_dtype,
+    write_metrics,
+)
+from ..config import Params, load_params_or_exit
+from ..data import MULTIPLIER_MAX, load_jsonl
+from ..modeling import (
+    STAGE_DIRS,
+    bake_chat_template_kwargs,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+log = get_logger("base")
+METRICS = "metrics/base.json"
+
+
+def arithmetic_facts(
+    n: int, lo: int, hi: int, max_value: int, seed: int, multiplier_max: int = MULTIPLIER_MAX
+) -> list[str]:
+    """Random facts in the notation of the solutions ('x+b=y', 'x-b=y', 'x*b=y') over the values the
+    task uses: x in [0, max_value], b in [lo, hi] (multipliers 2..multiplier_max), results <= max_value."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        op = rng.choice("+-*")
+        if op == "*":
+            b = rng.randint(2, max(2, min(hi, multiplier_max)))
+            x = rng.randint(max(lo, 1), max(max(lo, 1), max_value // b))
+            out.append(f"{x}*{b}={x * b}")
+        elif op == "+":
+            b = rng.randint(max(lo, 1), hi)
+            x = rng.randint(0, max(0, max_value - b))
+            out.append(f"{x}+{b}={x + b}")
+        else:
+            x = rng.randint(max(lo, 1), max_value)
+            b = rng.randint(max(lo, 1), max(max(lo, 1), min(hi, x)))
+            out.append(f"{x}-{b}={x - b}")
+    return out
+
+
+def pretrain(model, tokenizer, docs: list[str], params: Params) -> dict:
+    """Short causal-LM pretraining with transformers' Trainer on packed blocks."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    p = params.model.pretrain
+    ids: list[int] = []
+    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc + [tokenizer.pad_token_id])  # <|endoftext|> between documents
+    n_blocks = len(ids) // p.block_size
+    blocks = [ids[i * p.block_size : (i + 1) * p.block_size] for i in range(n_blocks)]
+    ds = Dataset.from_dict({"input_ids": blocks})
+    log.info("pretraining on %d tokens (%d blocks of %d), %s epochs", len(ids), n_blocks, p.block_size, p.epochs)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp,
+            per_device_train_batch_size=p.batch_size,
+            num_train_epochs=p.epochs,
+            learning_rate=p.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=0.05,
+            weight_decay=0.01,
+            logging_steps=50,
+            save_strategy="no",
+            report_to="none",
+            seed=params.seed,
+            data_seed=params.seed,
+            disable_tqdm=False,
+            **precision_kwargs(params.model.precision),
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=ds,
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        )
+        out = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {
+        "tokens": len(ids),
+        "steps": out.global_step,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "runtime_s": round(out.metrics["train_runtime"], 2),
+    }
+
+
+def build_tiny(params: Params) -> dict:
+    from transformers import set_seed
+
+    set_seed(params.seed)
+    sft = load_jsonl("data/prepared/sft_train.jsonl")
+    questions = [r["prompt"][-1]["content"] for r in sft]
+    syn = params.data.synthetic
+    facts = arithmetic_facts(
+        params.model.pretrain.num_arithmetic_facts,
+        syn.operand_min,
+        syn.operand_max,
+        syn.max_value,
+        params.seed,
+        syn.multiplier_max,
+    )
+    completions = [r["completion"][0]["content"] for r in sft]
+    chat_tools = bool(params.agent.tools or params.agent.environment) and params.agent.format == "chat"
+    if chat_tools:  # the tool-call turns are part of what it reads
+        toolset = toolset_from_params(params.agent, env_params=params.environments)
+        env = toolset.env_class is not Calculator
+        completions = [
+            "".join(seg for seg, _ in split_annotated(c, "chat", episode=toolset.episode(r) if env else None))
+            for c, r in zip(completions, sft)
+        ]
+    tok_text = questions + completions + [r["prompt"][0]["content"] for r in sft[:1]]
+    tokenizer = train_tokenizer(tok_text + facts, params.model.tiny.vocab_size)
+    if chat_tools:
+        from tokenizers import AddedToken
+        from trl.chat_template_utils import qwen3_chat_template
+
+        # Qwen3's template renders tool calls and tool turns, and TRL's GRPOTrainer(environment_factory=...)
+        # recognises it. Every chat prompt's system turn carries the template's tool description (JSON schemas and
+        # instructions, ~1 kB, ~260 tokens of the tiny BPE vocabulary): that block, from "# Tools" to the end of the
+        # turn (the same with or without a system prompt before it), becomes one added token, so a prompt is ~50
+        # tokens instead of ~300 (~6x less compute per SFT/GRPO example). The model then reads the description as
+        # one learned symbol: a prompt with another description (other tools, changed docstrings) is tokenized as
+        # ordinary text it was never trained on.
+        tokenizer.chat_template = qwen3_chat_template
+        rendered = tokenizer.apply_chat_template(
+            sft[0]["prompt"], add_generation_prompt=True, tokenize=False, **toolset.chat_template_kwargs()
+        )
+        start = rendered.find("# Tools")
+        if start < 0:
+            raise ValueError(f"the chat template rendered no '# Tools' block for agent.tools/environment: {rendered!r}")
+        tokenizer.add_tokens(
+            [AddedToken(rendered[start : rendered.index(tokenizer.eos_token, start)], special=False, normalized=False)]
+        )
+    model = build_tiny_model(tokenizer, params.model.tiny, params.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("tiny Qwen3: %d parameters, vocab %d", n_params, len(tokenizer))
+    info = {"base_model": "tiny", "parameters": n_params, "vocab_size": len(tokenizer)}
+    if params.model.pretrain.enabled:
+        docs = questions + facts
+        random.Random(params.seed).shuffle(docs)
+        info["pretrain"] = pretrain(model, tokenizer, docs, params)
+    model.save_pretrained(STAGE_DIRS["base"])
+    tokenizer.save_pretrained(STAGE_DIRS["base"])
+    return info
+
+
+def from_hub(params: Params) -> dict:
+    name, rev = params.model.base_model, params.model.revision
+    log.info("loading %s at revision %s", name, rev)
+    tokenizer = bake_chat_template_kwargs(load_tokenizer_hub(name, rev), params.model.chat_template_kwargs)
+    # straight into the training dtype with the training attention (no fp32 load then cast)
+    model = load_model(
+        name,
+        dtype=torch_dtype(params.model.precision),
+        revision=rev,
+        attn_implementation=params.model.attn_implementation,
+    )
+    commit = getattr(model.config, "_commit_hash", None)
+    if commit is None and Path(name).is_dir():  # a local directory (a snapshot, a stand-in): no hub lookup
+        commit = f"local:{model_files_digest(name)}"
+    elif commit is None:
+        from huggingface_hub import model_info
+
+        commit = model_info(name, revision=rev).sha
+    model.save_pretrained(STAGE_DIRS["base"])
+    tokenizer.save_pretrained(STAGE_DIRS["base"])
+    return {
+        "base_model": name,
+        "revision": rev,
+        "resolved_commit": commit,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def load_tokenizer_hub(name: str, revision: str):
+    return load_tokenizer(name, revision)  # a function of its own: the tests replace it (no hub access)
+
+
+def main() -> None:
+    params = load_params_or_exit()
+    t0 = time.time()
+    log.info("device precision: %s", resolve_precision(params.model.precision))
+    info = build_tiny(params) if params.model.base_model == "tiny" else from_hub(params)
+    info["runtime_s"] = round(time.time() - t0, 2)
+    load_tokenizer(STAGE_DIRS["base"])  # fail here, not downstream, if the saved tokenizer is unusable
+    info["peak_rss_mb"] = peak_rss_mb()
+    write_metrics(METRICS, info)
+    log.info("saved %s (%.1fs)", STAGE_DIRS["base"], info["runtime_s"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,495 @@
+"""Stage `card`: the model card of the exported model -> models/card/README.md; and `make publish`.
+
+The card (Hugging Face model-card format, written with huggingface_hub's ModelCard/ModelCardData) records
+how models/merged was made: base model and revision, data source and size, the params that trained it,
+the git commit, held-out accuracy per stage with 95% intervals and the paired GRPO-vs-SFT test, tool use,
+the int8 accuracy, and how to serve it.
+
+Why a stage of its own after `eval_quantized`, writing outside models/merged: the int8 accuracy is measured
+by `eval_quantized`, which reads models/merged, so `export` cannot know it; and a file inside models/merged
+written by a later stage would overlap export's output (DVC refuses overlapping outputs) and change a
+dependency of eval_quantized. So `card` depends on models/merged and on the metrics files it reports, writes
+models/card/README.md (a DVC-cached output, pushed and pulled with the models), and `make publish`
+uploads models/merged plus that card as the repository's README.md, in one hub commit.
+
+`python -m agentrl.stages.card --publish REPO_ID` (make publish REPO_ID=...): needs HF_TOKEN in the environment
+(never read from or written to a file, never logged), refuses when the pipeline is not up to date
+(`dvc status card --with-deps`) or the card was written for other weights than models/merged holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ..common import atomic_write, get_logger, model_files_digest, read_metrics
+from ..config import Params, load_params_or_exit
+
+log = get_logger("card")
+MERGED = Path("models/merged")
+CARD = Path("models/card/README.md")
+TOKEN_ENV = "HF_TOKEN"
+# the params sections the card reports ("the params that trained it"); dvc.yaml's card stage lists the same
+CARD_PARAMS = ("seed", "data", "model", "sft", "grpo", "agent", "eval", "export")
+TOOL_KEYS = ("tool_use_rate", "tool_calls_per_problem", "tool_error_rate")
+# what each row of the accuracy table reads (the eval stages' metrics files)
+EVAL_ROWS = (
+    ("base", "base model", "metrics/eval_base.json"),
+    ("sft", "SFT", "metrics/eval_sft.json"),
+    ("grpo", "GRPO (LoRA adapter)", "metrics/eval_grpo.json"),
+    ("merged", "merged (this model)", "metrics/eval_merged.json"),
+    ("merged_int8", "merged, int8", "metrics/eval_merged_int8.json"),
+)
+METRICS_FILES = (
+    "metrics/prepare.json",
+    "metrics/base.json",
+    "metrics/sft_train.json",
+    "metrics/grpo_train.json",
+    "metrics/compare.json",
+    "metrics/export.json",
+    "metrics/quantize.json",
+    *(f for _, _, f in EVAL_ROWS),
+)
+
+
+# the spread over seeds (`make seeds`, scripts/seeds.py): a dependency of the card stage, committed; its "seeds"
+# list is empty until `make seeds` has run
+SEEDS = Path("docs/seeds.json")
+SEED_STAGES = (("base", "base model"), ("sft", "SFT"), ("grpo", "GRPO"), ("merged", "merged"), ("merged_int8", "int8"))
+
+
+class PublishError(RuntimeError):
+    pass
+
+
+def read_seeds(path: Path = SEEDS) -> Optional[dict]:
+    """The seed aggregate of `make seeds` (docs/seeds.json), or None when there is none yet (no file, or no
+    seeds in it). A file that is not such an aggregate is a ValueError naming it and what was expected."""
+    import json
+
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rerun `make seeds N=3`") from None
+    if not isinstance(data, dict) or not isinstance(data.get("seeds"), list):
+        raise ValueError(f"{path}: expected an object with a 'seeds' list (scripts/seeds.py writes it)")
+    if not data["seeds"]:
+        return None
+    for key in ("stages", "grpo_minus_sft", "pooled", "paired_per_seed"):
+        if not isinstance(data.get(key), (dict, list)):
+            raise ValueError(f"{path}: no '{key}' (expected the aggregate of scripts/seeds.py; rerun `make seeds N=3`)")
+    return data
+
+
+def _spread(s: Optional[dict], points: bool = False) -> str:
+    """mean ± sd (min–max) of a fraction, as percent (or signed points)."""
+    if not s:
+        return "–"
+    f = (lambda x: f"{100 * x:+.1f}") if points else (lambda x: f"{100 * x:.1f}%")
+    sd = "" if s.get("sd") is None else f" ± {100 * s['sd']:.1f}"
+    return f"{f(s['mean'])}{sd} ({f(s['min'])} … {f(s['max'])})"
+
+
+def seed_summary(seeds: Optional[dict], committed_seed: int) -> str:
+    """Markdown: accuracy and tool use per stage over the seeds next to the committed run's seed, and GRPO - SFT
+    per seed and pooled; or a sentence saying no seed spread was recorded."""
+    if not seeds:
+        return (
+            f"Not measured: this card reports one run (seed {committed_seed}). `make seeds N=3` runs the pipeline "
+            f"over several seeds (DVC experiments) and records the spread in `{SEEDS}`."
+        )
+    n, listed = len(seeds["seeds"]), ", ".join(map(str, seeds["seeds"]))
+    inside = "includes" if committed_seed in seeds["seeds"] else "does not include"
+    rows = [
+        f"| {label} | {_spread(seeds['stages'].get(key, {}).get('accuracy'))} | "
+        f"{_spread(seeds['stages'].get(key, {}).get('tool_use_rate'))} |"
+        for key, label in SEED_STAGES
+        if key in seeds["stages"]
+    ]
+    p = seeds["pooled"]
+    return "\n".join(
+        [
+            f"Over {n} seeds ({listed}; the set {inside} this run's seed {committed_seed}), each a whole pipeline "
+            f"run with its own problems (`{SEEDS}`, `make seeds`): mean ± sample sd (min … max).",
+            "",
+            "| model | accuracy | tool use |",
+            "|---|---|---|",
+            *rows,
+            "",
+            f"GRPO − SFT: {_spread(seeds['grpo_minus_sft'], points=True)} points; pooled over the seeds "
+            f"{p['gained']} problems gained and {p['lost']} lost of {p['problems']}, exact McNemar p = "
+            f"{p['p_value']:.2g}.",
+        ]
+    )
+
+
+def _read(path: str) -> dict:
+    """A stage's headline metrics and its diagnostics, merged (read_metrics names a missing diagnostics file)."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: not found; the card reports it (run the stage that writes it: dvc repro)")
+    return read_metrics(path)
+
+
+def git_state() -> dict:
+    """The commit of the code that ran, and the tracked files that differed from it then (the run's own
+    results, dvc.lock, metrics/ and diagnostics/, are left out: `dvc repro` rewrites them as it goes)."""
+
+    def git(*args: str) -> Optional[str]:
+        r = subprocess.run(["git", *args], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "changed": []}
+    changed = git("diff", "--name-only", "HEAD", "--", ".", ":!dvc.lock", ":!metrics", ":!diagnostics") or ""
+    return {"commit": commit, "changed": sorted(line for line in changed.splitlines() if line.strip())}
+
+
+def _pct(x: Optional[float]) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _ci(ci: Optional[list]) -> str:
+    return "–" if not ci else f"{100 * ci[0]:.1f}–{100 * ci[1]:.1f}%"
+
+
+def _signed(x: float) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def collect(params: Params) -> dict:
+    """Everything the card reports, from params and the run's metrics files (no model is loaded)."""
+    m = {Path(f).stem: _read(f) for f in METRICS_FILES}
+    return {
+        "params": params,
+        "metrics": m,
+        "git": git_state(),
+        "merged_digest": model_files_digest(MERGED),
+        "seeds": read_seeds(),
+    }
+
+
+def _base_model_line(p: Params, base: dict) -> str:
+    if p.model.base_model == "tiny":
+        t = p.model.tiny
+        return (
+            f"`tiny`: a {base.get('parameters', '?'):,}-parameter Qwen3-architecture model (hidden "
+            f"{t.hidden_size}, {t.num_hidden_layers} layer{'s' if t.num_hidden_layers != 1 else ''}, vocab "
+            f"{base.get('vocab_size', '?')}) with its own "
+            f"tokenizer, built and pre-trained locally by the `base` stage (no hub download)"
+        )
+    resolved = base.get("resolved_commit")
+    return f"[`{p.model.base_model}`](https://huggingface.co/{p.model.base_model}) at revision `{p.model.revision}`" + (
+        f" (resolved commit `{resolved}`)" if resolved else ""
+    )
+
+
+def _data_line(p: Params, prep: dict) -> str:
+    d = p.data
+    if d.source == "synthetic":
+        src = f"the seeded synthetic GSM8K-format generator (`data.synthetic`, seed {p.seed})"
+    elif d.source == "gsm8k":
+        src = (
+            f"[`{d.hub_dataset}`](https://huggingface.co/datasets/{d.hub_dataset}) config `{d.hub_config}`, "
+            f"revision `{d.hub_revision or 'main'}`"
+        )
+    else:
+        src = f"local JSONL files `{d.train_file}` (train) and `{d.test_file}` (test)"
+    w = prep.get("written", {})
+    dropped = prep.get("dropped", {}).get("total", 0)
+    return (
+        f"{src}: {w.get('sft_train', '?'):,} SFT / {w.get('rl_train', '?'):,} GRPO training problems, "
+        f"{w.get('test', '?'):,} held-out test problems ({dropped} rows dropped by the quality checks)"
+    )
+
+
+def render(info: dict) -> str:
+    """The card's text: YAML metadata (ModelCardData) + a markdown body."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    p: Params = info["params"]
+    m = info["metrics"]
+    git = info["git"]
+    evals = {key: m[Path(f).stem] for key, _, f in EVAL_ROWS}
+    q, cmp, exp = m["quantize"], m["compare"], m["export"]
+    int8 = "int8_accuracy" in q
+    hub_base = p.model.base_model if "/" in p.model.base_model else None
+    dataset_name = p.data.hub_dataset if p.data.source == "gsm8k" else f"agentrl {p.data.source} held-out test set"
+    results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=dataset_name,
+            dataset_name=dataset_name,
+            dataset_split="test",
+            metric_type="accuracy",
+            metric_name=name,
+            metric_value=round(evals[key]["accuracy"], 4),
+        )
+        for key, name in (
+            ("merged", "held-out accuracy (fp32, greedy)"),
+            ("merged_int8", "held-out accuracy (int8, greedy)"),
+        )
+        if "accuracy" in evals[key]
+    ]
+    data = ModelCardData(
+        model_name="agentrl merged policy (SFT + GRPO)",
+        base_model=hub_base,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["agentrl", "trl", "sft", "grpo", "dvc", "math-word-problems"],
+        datasets=[p.data.hub_dataset] if p.data.source == "gsm8k" else None,
+        metrics=["accuracy"],
+        eval_results=results,
+        agentrl={
+            "git_commit": git["commit"],
+            "uncommitted_changes": git["changed"],
+            "merged_model_digest": info["merged_digest"],
+            "base_model": p.model.base_model,
+            "base_model_revision": p.model.revision,
+            "base_model_resolved_commit": m["base"].get("resolved_commit"),
+            "data_source": p.data.source,
+            "test_problems": m["prepare"].get("written", {}).get("test"),
+            "int8_accuracy": q.get("int8_accuracy"),
+            "tools": list(p.agent.tools),
+            "seeds_in_spread": (info.get("seeds") or {}).get("seeds", []),
+        },
+    )
+
+    rows = []
+    tools_seen = any(k in evals[s] for s in evals for k in TOOL_KEYS)
+    for key, label, f in EVAL_ROWS:
+        e = evals[key]
+        if "accuracy" not in e:
+            rows.append(
+                f"| {label} | not evaluated ({e.get('skipped', 'see ' + f)}) | | | |" + (" | | |" if tools_seen else "")
+            )
+            continue
+        row = (
+            f"| {label} | **{_pct(e['accuracy'])}** | {_ci(e.get('accuracy_ci95'))} | {e.get('num_samples', '–')} | "
+            f"{e.get('format_rate', 0):.2f} |"
+        )
+        if tools_seen:
+            row += (
+                " "
+                + " | ".join(
+                    "–" if k not in e else (_pct(e[k]) if k != "tool_calls_per_problem" else f"{e[k]:.2f}")
+                    for k in TOOL_KEYS
+                )
+                + " |"
+            )
+        rows.append(row)
+    head = "| model | accuracy | 95% CI (Wilson) | problems | format rate |"
+    sep = "|---|---|---|---|---|"
+    if tools_seen:
+        head += " tool use | tool calls / problem | tool error rate |"
+        sep += "---|---|---|"
+
+    g, s = cmp.get("grpo_vs_sft", {}), cmp.get("sft_vs_base", {})
+    paired = []
+    for name, t in (("GRPO − SFT", g), ("SFT − base", s)):
+        if t:
+            paired.append(
+                f"- **{name} = {_signed(t['difference'])} points**, paired-bootstrap 95% CI "
+                f"{_signed(t['ci95'][0])} … {_signed(t['ci95'][1])}, exact McNemar p = {t['p_value']:.2g} "
+                f"({t['only_after_correct']} problems gained, {t['only_before_correct']} lost, n = {t['n']})"
+            )
+
+    if p.agent.tools:
+        tools = (
+            f"The policy calls tools while it solves a problem: `agent.tools: {list(p.agent.tools)}`, format "
+            f"`{p.agent.format}`, at most {p.agent.max_tool_calls} calls per completion (calculator input at most "
+            f"{p.agent.max_expression_chars} characters). The same tool loop ran in SFT data, GRPO rollouts, "
+            "evaluation, and runs in `make serve`. Tool use per stage is in the table above "
+            "(share of problems with a call, calls per problem, share of calls that returned an error)."
+        )
+        if not tools_seen:
+            tools += " The evaluation metrics of this run carry no tool-use counts."
+    else:
+        tools = "None: this model was trained and evaluated without tools (`agent.tools: []`)."
+
+    if int8:
+        quant = (
+            f"`export.quantize: int8` ({q.get('int8_backend')}): held-out accuracy {_pct(q['int8_accuracy'])} "
+            f"against {_pct(q['merged_accuracy'])} in fp32 ({_signed(q['accuracy_delta'])} points), measured speed "
+            f"ratio int8/fp32 {q['int8_speed_ratio']:.2f}× in this run on this machine (> 1: int8 is faster)."
+        )
+    else:
+        quant = f"Not evaluated (`export.quantize: {q.get('quantize', 'none')}`)."
+
+    system = f"system prompt: `{p.data.system_prompt}`" if p.data.system_prompt else "no system prompt"
+    sft, grpo = m["sft_train"], m["grpo_train"]
+    trained = {k: p.model_dump(mode="json")[k] for k in CARD_PARAMS}
+    if git["commit"]:
+        code = f"git commit `{git['commit']}`"
+        code += (
+            f"; files that differed from it when the card was written: {', '.join(f'`{c}`' for c in git['changed'][:10])}"
+            + (" …" if len(git["changed"]) > 10 else "")
+            if git["changed"]
+            else " (no uncommitted changes to tracked files)"
+        )
+    else:
+        code = "unknown (not run in a git checkout)"
+
+    body = f"""
+# agentrl merged policy (SFT + GRPO)
+
+A causal language model for GSM8K-style math word problems, made by the [agentrl](#reproduce) DVC pipeline:
+`prepare → base → sft → eval → grpo → eval → export → eval_quantized → card`. The SFT result and the GRPO LoRA
+adapter are merged into the base weights (`merge_and_unload`), so plain `transformers` loads it, no PEFT.
+
+## How it was made
+
+- **Base model:** {_base_model_line(p, m["base"])}.
+- **Data:** {_data_line(p, m["prepare"])}.
+- **SFT:** {sft.get("steps", "?")} steps, {"LoRA" if p.sft.use_lora else "all weights"}, learning rate {sft.get("learning_rate", "?")},
+  loss {sft.get("first_loss", float("nan")):.3f} → {sft.get("final_loss", float("nan")):.3f}.
+- **GRPO:** {grpo.get("steps", "?")} steps of {grpo.get("completions_per_step", "?")} completions, LoRA r={p.grpo.lora.get("r", "?")},
+  learning rate {grpo.get("learning_rate", "?")}, KL β {grpo.get("beta", "?")}, rewards {dict(p.grpo.rewards)};
+  mean reward {grpo.get("reward_first", float("nan")):.3f} (first step) → {grpo.get("reward_last", float("nan")):.3f} (last).
+- **Merge check:** max |logit difference| merged vs adapter model {exp.get("max_abs_logit_diff", float("nan")):.2g}
+  (tolerance {exp.get("tolerance", "?")}), greedy completions identical on {exp.get("greedy_identical_count", "?")}/{exp.get("num_prompts", "?")}
+  prompts; {exp.get("parameters", "?"):,} parameters.
+- **Code:** {code}.
+- **Weights:** digest `{info["merged_digest"]}` of the files of `models/merged` (`agentrl.common.model_files_digest`).
+
+## Held-out accuracy
+
+Greedy decoding on the held-out test split (`eval.*` params), answers extracted after `####`.
+
+{head}
+{sep}
+{chr(10).join(rows)}
+
+{chr(10).join(paired) if paired else "No paired comparison recorded."}
+
+### Over seeds
+
+{seed_summary(info.get("seeds"), p.seed)}
+
+## Tool use
+
+{tools}
+
+## int8
+
+{quant}
+
+## How to use it
+
+```bash
+make serve MODEL=models/merged        # FastAPI: POST /generate, POST /v1/chat/completions, GET /health
+curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+  -d '{{"messages": [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]}}'
+```
+
+From the hub (after `make publish REPO_ID=<user>/<name>`): `huggingface-cli download <user>/<name> --local-dir merged`,
+then `make serve MODEL=merged`, or `AutoModelForCausalLM.from_pretrained("<user>/<name>")` with the tokenizer's
+chat template ({system}). Serve it with the `agent:` params it was trained with.
+
+## Reproduce
+
+```bash
+git checkout {git["commit"] or "<commit>"}
+make pull      # the cached models and outputs from the DVC remote; or `make repro` to retrain
+```
+
+## Params that trained it
+
+```yaml
+{yaml.safe_dump(trained, sort_keys=False, allow_unicode=True).rstrip()}
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+
+
+def write_card(params: Params, path: Path = CARD) -> Path:
+    text = render(collect(params))
+    from huggingface_hub import ModelCard
+
+    ModelCard(text)  # parses the metadata back: a card that does not render is an error here, not on the hub
+    with atomic_write(path) as f:
+        f.write(text)
+    log.info("model card written to %s", path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- publish
+def pipeline_changes() -> dict:
+    """`dvc status card --with-deps`: what is out of date in the card and every stage upstream of it."""
+    from dvc.repo import Repo
+
+    with Repo(".") as repo:
+        return repo.status(targets=["card"], with_deps=True)
+
+
+def publish(repo_id: str, private: bool = False) -> Any:
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise PublishError(
+            f"{TOKEN_ENV} is not set: export {TOKEN_ENV}=<a write token from "
+            "https://huggingface.co/settings/tokens> and run make publish again (the token is read "
+            "from the environment only; it is never written to a file or printed)"
+        )
+    if not repo_id or repo_id.count("/") != 1:
+        raise PublishError(f"REPO_ID must be <user or org>/<name>, got {repo_id!r}")
+    for need in (MERGED, CARD):
+        if not need.exists():
+            raise PublishError(f"{need}: not found; run `dvc repro` (or `make pull`) first")
+    stale = pipeline_changes()
+    if stale:
+        raise PublishError(
+            f"the pipeline is not up to date, so {CARD} may not describe models/merged: "
+            f"{', '.join(sorted(stale))} changed (`dvc status card --with-deps`); run `dvc repro` first"
+        )
+    from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
+
+    card = ModelCard.load(CARD)
+    written_for = (card.data.to_dict().get("agentrl") or {}).get("merged_model_digest")
+    now = model_files_digest(MERGED)
+    if written_for != now:
+        raise PublishError(
+            f"{CARD} was written for models/merged with digest {written_for}, but models/merged now has "
+            f"{now}; run `dvc repro card` (or `make pull`)"
+        )
+    files = sorted(f for f in MERGED.rglob("*") if f.is_file() and f.name != "README.md")
+    ops = [CommitOperationAdd(path_in_repo=f.relative_to(MERGED).as_posix(), path_or_fileobj=str(f)) for f in files]
+    ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(CARD)))
+    commit = (card.data.to_dict().get("agentrl") or {}).get("git_commit")
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    info = api.create_commit(
+        repo_id,
+        ops,
+        repo_type="model",
+        commit_message=f"agentrl export{f' (git {commit[:12]})' if commit else ''}",
+        commit_description=f"models/merged + model card; weights digest {now}",
+    )
+    log.info("published %d files of %s and the model card to %s", len(files), MERGED, url)
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--publish", metavar="REPO_ID", help=f"upload models/merged + the card (needs {TOKEN_ENV})")
+    ap.add_argument("--private", action="store_true", help="create the hub repository private")
+    a = ap.parse_args()
+    if a.publish is not None:
+        try:
+            publish(a.publish, private=a.private)
+        except PublishError as e:
+            print(f"make publish: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return
+    write_card(load_params_or_exit())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,440 @@
+"""Stage `grpo`: reinforcement learning with TRL's GRPOTrainer and a fresh LoRA over the SFT model.
+
+Start point: the SFT adapter is merged into the base weights (models/base + models/sft), then a new
+LoRA from grpo.lora (peft.LoraConfig arguments) is trained on top (grpo.use_lora: false trains all
+weights instead). The adapter saved in models/grpo/ therefore applies to base+SFT merged; `export`
+merges both.
+
+grpo.trainer is passed to trl.GRPOConfig unchanged (tests check it): its own learning rate (far below
+SFT's: HelloAgents' shared 5e-5 collapsed Qwen3-0.6B from 57.0% to 2.4% on GSM8K), beta (a reference
+model is only created when beta > 0), num_generations, use_vllm/vllm_mode, ... The stage sets the derived
+values (config.DERIVED): the scaled learning rate, reward_weights from grpo.rewards, seed, precision,
+output and tracking. Rewards come from the registry in rewards.py with the weights in grpo.rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from typing import Optional
+
+from ..agent.rewards import build_rewards
+from ..agent.tools import episode_solved, toolset_from_params
+from ..common import file_digest, get_logger, model_files_digest, resolve_precision, torch_dtype, world_size
+from ..config import Params, ParamsError, passthrough_value
+from ..modeling import STAGE_DIRS, attach, load_model, load_tokenizer
+from . import training
+
+DATA = "data/prepared/rl_train.jsonl"
+CHECKPOINTS = "checkpoints/grpo"
+METRICS = "metrics/grpo_train.json"
+log = get_logger("grpo")
+
+
+class BatchConfigError(ValueError):
+    pass
+
+
+def check_batch(params: Params, num_processes: int | None = None) -> int:
+    """The generation batch (completions per optimizer step), computed as GRPOConfig does, must divide into
+    groups of num_generations. Checked before anything loads, with the number of processes of the launch."""
+    t = params.grpo.trainer
+
+    def v(name):
+        return passthrough_value("grpo.trainer", t, name)
+
+    n = num_processes or world_size()
+    per_device, num_generations = v("per_device_train_batch_size"), v("num_generations")
+    if v("generation_batch_size") is not None:
+        gen_batch = v("generation_batch_size")
+        how = f"generation_batch_size ({gen_batch})"
+    else:
+        steps_key = "steps_per_generation" if v("steps_per_generation") is not None else "gradient_accumulation_steps"
+        gen_batch = per_device * n * v(steps_key)
+        how = (
+            f"per_device_train_batch_size ({per_device}) x processes ({n}) x {steps_key} ({v(steps_key)}) = {gen_batch}"
+        )
+    if gen_batch % num_generations:
+        raise BatchConfigError(
+            f"grpo.trainer: the generation batch {how} completions must be divisible by "
+            f"grpo.trainer.num_generations ({num_generations}); e.g. set per_device_train_batch_size to a multiple "
+            f"of {num_generations}"
+        )
+    return gen_batch
+
+
+def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs):
+    """trl.GRPOConfig(**grpo.trainer) plus what the stage derives (training.trainer_config) and reward_weights, the
+    weights of grpo.rewards."""
+    weights = [float(w) for w in params.grpo.rewards.values()]
+    return training.trainer_config(params, "grpo", output_dir, reward_weights=weights, **tracking_kwargs)
+
+
+def check_generation(args) -> None:
+    """TRL's vLLM rollouts (grpo.trainer.use_vllm, vllm_mode colocate | server) need CUDA and vllm: say so
+    before anything loads instead of failing inside the trainer."""
+    if not args.use_vllm:
+        return
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ParamsError("grpo.trainer.use_vllm: vLLM generation needs a CUDA GPU (it is off on CPU); set it to false")
+    if importlib.util.find_spec("vllm") is None:
+        raise ParamsError("grpo.trainer.use_vllm: vllm is not installed (pip install vllm), or set it to false")
+
+
+def starting_model(params: Params | None = None):
+    """models/base with the SFT result merged in: the policy GRPO starts from, in the training dtype
+    (model.precision) with model.attn_implementation when params are given."""
+    kw = (
+        {}
+        if params is None
+        else {"dtype": torch_dtype(params.model.precision), "attn_implementation": params.model.attn_implementation}
+    )
+    return attach(load_model(STAGE_DIRS["base"], **kw), STAGE_DIRS["sft"], merge=True)
+
+
+class ToolRollout:
+    """TRL `rollout_func`: the trainer's sampling settings, generation through the tool loop
+    (agent.generate_with_tools, the same loop evaluation and the server run). Returns per completion the
+    prompt and completion ids, `env_mask` (0 on tool-inserted tokens: TRL turns it into the tool_mask that
+    keeps them out of the loss) and the tool calls/errors, which reach reward functions as keyword arguments
+    `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py) and
+    the tool-use curves (agent.tool_stats per batch of rollouts) until the trainer logs them (pop_curves).
+    `merged` (grpo.merged_rollouts): generation runs on a plain copy of the policy whose weights are the LoRA's
+    merged in (merged_policy), not on the PEFT model."""
+
+    def __init__(self, toolset, rows: Optional[list[dict]] = None, merged: bool = False):
+        self.toolset = toolset
+        self.merged = merged
+        self.plain = None  # the merged copy, made on the first rollout and refreshed on every one
+        # TRL hands a rollout_func the prompts only: each prompt's dataset row (what its environment episode is
+        # reset with) is looked up by the prompt itself
+        self.rows = {prompt_key(r["prompt"]): r for r in rows or []}
+        self.seconds = 0.0
+        self.completions = 0
+        self.tokens = 0
+        self.curves: dict[str, list[float]] = defaultdict(list)
+
+    def pop_curves(self) -> dict[str, float]:
+        """tools/<stat> averaged over the batches since the last call, as TRL averages its own metrics."""
+        out = {k: sum(v) / len(v) for k, v in self.curves.items()}
+        self.curves.clear()
+        return out
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        import torch
+        from trl.models import unwrap_model_for_generation
+
+        from ..agent.loop import generate_with_tools, tool_stats
+
+        t = time.perf_counter()
+        extra = {
+            k: v
+            for k, v in (("min_p", trainer.min_p), ("repetition_penalty", trainer.repetition_penalty))
+            if v is not None
+        }
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                generation_kwargs=getattr(trainer, "generation_kwargs", None),
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as model,
+            torch.no_grad(),
+        ):
+            if self.merged:
+                if self.plain is None:
+                    log.info(
+                        "rollouts sample from a plain copy of the policy with the LoRA merged in (grpo.merged_rollouts)"
+                    )
+                model = self.plain = merged_policy(model, self.plain)
+            rolls = [
+                r[0]
+                for r in generate_with_tools(
+                    model,
+                    trainer.processing_class,
+                    prompts,
+                    self.toolset,
+                    trainer.max_completion_length,
+                    batch_size=len(prompts),
+                    temperature=trainer.temperature,
+                    top_p=trainer.top_p,
+                    top_k=trainer.top_k or 0,
+                    rows=[self.rows.get(prompt_key(p), {}) for p in prompts] if self.rows else None,
+                    chat_template_kwargs=self.toolset.chat_template_kwargs() if self.toolset is not None else None,
+                    **extra,
+                )
+            ]
+        self.seconds += time.perf_counter() - t
+        self.completions += len(rolls)
+        self.tokens += sum(sum(r.env_mask) for r in rolls)
+        if self.toolset is not None:
+            for k, v in tool_stats(rolls).items():
+                self.curves[f"tools/{k}"].append(v)
+        out = {}
+        if self.rows and self.toolset is not None:  # an environment with its own success rule decides `accuracy`
+            rows = [self.rows.get(prompt_key(p), {}) for p in prompts]
+            solved = [episode_solved(row, r.text, r.episode.env if r.episode else None) for row, r in zip(rows, rolls)]
+            if any(s is not None for s in solved):
+                out["solved"] = solved
+        return {
+            **out,
+            "prompt_ids": [r.prompt_ids for r in rolls],
+            "completion_ids": [r.completion_ids for r in rolls],
+            "logprobs": None,
+            "env_mask": [r.env_mask for r in rolls],
+            "tool_calls": [len(r.calls) for r in rolls],
+            "tool_errors": [r.tool_errors for r in rolls],
+        }
+
+
+def merged_policy(model, plain=None):
+    """A plain (non-PEFT) model whose weights are `model`'s with its active LoRA adapters merged in: each
+    adapted Linear gets base weight + PEFT's own get_delta_weight (scaling included), which is what
+    merge_and_unload computes. `plain`, the copy an earlier call returned, is refreshed in place (the adapter
+    trains between rollouts; the base weights are frozen, and they are never modified, unlike merge_adapter +
+    unmerge_adapter, whose round trip drifts by float rounding). The first call deep-copies the model and gives the
+    copy its class's forward; it refuses a model that trains anything besides LoRA A/B weights, which the refresh
+    would leave stale."""
+    import copy
+    import re
+
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    if plain is None:
+        stale = [
+            n
+            for n, p in model.named_parameters()
+            if p.requires_grad and not re.search(r"\.lora_[AB]\.[^.]+\.weight$", n)
+        ]
+        if stale:
+            raise BatchConfigError(
+                "grpo.merged_rollouts refreshes the merged copy from the LoRA A/B weights only; these trained "
+                f"parameters would go stale in it: {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''} "
+                "(DoRA magnitudes, modules_to_save, LoRA biases, trainable tokens): set merged_rollouts: false"
+            )
+        plain = copy.deepcopy(model).merge_and_unload()
+        # a forward patched onto an instance is dropped: the copy computes with its class's own. TRL's fused LM head
+        # (GRPOTrainer patches it on) closes over the original model's bound forward, so a copy that kept it would
+        # still run the original, adapter and all
+        for m in plain.modules():
+            m.__dict__.pop("forward", None)
+        plain.eval()
+    targets = dict(plain.named_modules())
+    with torch.no_grad():
+        for name, mod in model.get_base_model().named_modules():
+            if isinstance(mod, LoraLayer):
+                w = mod.get_base_layer().weight.detach().clone()
+                for a in mod.active_adapters:
+                    if a in mod.lora_A:
+                        w += mod.get_delta_weight(a)
+                targets[name].weight.copy_(w)
+    return plain
+
+
+def check_merged_rollouts(trainer, rollout) -> None:
+    """grpo.merged_rollouts copies the whole policy on each process: refused, before the first step, where the
+    weights are sharded (DeepSpeed ZeRO-3, FSDP)."""
+    if rollout is None or not rollout.merged:
+        return
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) or (
+        getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3
+    ):
+        raise BatchConfigError(
+            "grpo.merged_rollouts copies the whole policy on each process; with sharded weights (DeepSpeed ZeRO-3, "
+            "FSDP) set it to false"
+        )
+
+
+def prompt_key(prompt) -> str:
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
+    """(rollout_func, environment_factory) for GRPOTrainer. Inline tools and plain sampling run through
+    ToolRollout (the project's tool loop, one environment episode per completion, reset with its row);
+    agent.format chat hands the environment class to TRL's own multi-turn loop
+    (GRPOTrainer(environment_factory=...), one instance per rollout); TRL's vLLM generation is used when grpo
+    asks for it and no inline tool is set."""
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
+    merged = params.grpo.merged_rollouts
+    if toolset is not None and params.agent.format == "chat":
+        if merged:
+            raise BatchConfigError(
+                "grpo.merged_rollouts: agent.format 'chat' with an environment runs TRL's own loop, which generates "
+                "with the PEFT model; set merged_rollouts: false (it speeds up the project's loop only)"
+            )
+        return None, toolset.factory
+    if getattr(args, "use_vllm", False):
+        if toolset is not None:
+            raise BatchConfigError(
+                "agent.format 'inline' runs the project's own tool loop (transformers generate); "
+                "TRL's use_vllm needs agent.tools: [] or agent.format: chat"
+            )
+        if merged:
+            raise BatchConfigError(
+                "grpo.merged_rollouts: with use_vllm TRL merges the LoRA itself when it syncs vLLM; "
+                "set merged_rollouts: false"
+            )
+        return None, None
+    return ToolRollout(toolset, rows, merged), None
+
+
+def baked_tool_template(tok):
+    """TRL's tool loop (GRPOTrainer(tools=...)) recognises a chat template by its exact text, to pick the tool-call
+    parser (add_response_schema) and the training variant of the template (get_training_chat_template).
+    model.chat_template_kwargs baked in front of it (`{%- set enable_thinking = false %}`,
+    modeling.bake_chat_template_kwargs) hide a known template such as Qwen3's. Both are therefore picked on the
+    template without those lines, the lines are put back in front of the training variant, and the tokenizer
+    holds that variant while GRPOTrainer is built. Returns `finish(trainer)`, which gives the tokenizer its
+    template back (the one saved with the result) and the trainer the training variant; None when nothing is
+    baked or TRL does not know the template (it then says so itself)."""
+    import copy
+    import re
+
+    from trl.chat_template_utils import add_response_schema, get_training_chat_template
+
+    template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+    m = re.match(r"(\{%- set \w+ = [^%]*%\})+", template)
+    if not m:
+        return None
+    prefix, probe = m.group(0), copy.copy(tok)
+    probe.chat_template = template[m.end() :]
+    try:
+        if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
+            add_response_schema(probe)
+            for attr in ("response_template", "response_schema"):
+                if getattr(probe, attr, None) is not None:
+                    setattr(tok, attr, getattr(probe, attr))
+        training = prefix + (get_training_chat_template(probe) or probe.chat_template)
+    except ValueError:
+        return None
+    tok.chat_template = training
+
+    def finish(trainer):
+        tok.chat_template = template
+        trainer.chat_template = training
+
+    return finish
+
+
+def _series(history: list[dict], *keys: str) -> list[float]:
+    """The logged values of the first of `keys` that the history has (our loop's name, then TRL's)."""
+    for key in keys:
+        if values := [h[key] for h in history if key in h]:
+            return values
+    return []
+
+
+def train(params: Params) -> dict:
+    from datasets import load_dataset
+    from trl import GRPOTrainer
+
+    gen_batch = check_batch(params)
+    g = params.grpo
+    funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
+    args, callbacks = training.start(params, "grpo", grpo_config)
+    check_generation(args)
+    tok = load_tokenizer(STAGE_DIRS["sft"])
+    model = starting_model(params)
+    ds = load_dataset("json", data_files=DATA, split="train")
+    log.info(
+        "%d prompts; precision %s; %d completions per step (%d prompts x %d generations); lr %.3g; beta %g; "
+        "rewards %s; lora=%s; vllm=%s",
+        len(ds),
+        resolve_precision(params.model.precision),
+        gen_batch,
+        gen_batch // args.num_generations,
+        args.num_generations,
+        args.learning_rate,
+        args.beta,
+        g.rewards,
+        g.use_lora,
+        args.use_vllm and args.vllm_mode,
+    )
+    resume = training.resume_checkpoint(
+        args,
+        params,
+        "grpo",
+        params.seed,
+        g.model_dump(),
+        params.agent.model_dump(),
+        params.environments,
+        file_digest(DATA),
+        model_files_digest(STAGE_DIRS["base"]),
+        model_files_digest(STAGE_DIRS["sft"]),
+    )
+    rollout, environment_factory = rollout_plan(params, args, tok, list(ds))
+    finish = baked_tool_template(tok) if environment_factory else None
+
+    class GRPOWithToolCurves(GRPOTrainer):
+        def log(self, logs, start_time=None):  # the tool loop's curves (tools/*) join TRL's metrics in each log
+            logs.update(rollout.pop_curves() if rollout else {})
+            super().log(logs, start_time)
+
+    trainer = GRPOWithToolCurves(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=training.peft_config(params, "grpo"),
+        callbacks=callbacks,
+        rollout_func=rollout,
+        environment_factory=environment_factory,
+    )
+    if finish:
+        finish(trainer)
+    check_merged_rollouts(trainer, rollout)
+    _, run = training.train(trainer, resume)
+    hist = trainer.state.log_history
+    rewards, kls = _series(hist, "reward"), _series(hist, "kl")
+    lengths = _series(hist, "completions/mean_length")
+    k = max(1, len(rewards) // 5)
+    runtime = run["runtime_s"]
+    metrics = {
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "reward_mean_first_20pct": sum(rewards[:k]) / k if rewards else None,
+        "reward_mean_last_20pct": sum(rewards[-k:]) / k if rewards else None,
+        "kl_last": kls[-1] if kls else None,
+        "completion_length_first": lengths[0] if lengths else None,
+        "completion_length_last": lengths[-1] if lengths else None,
+        "completions_per_step": gen_batch,
+        # measured around the rollout function (None when TRL generates itself: vLLM or agent.format chat)
+        "generation_seconds": round(rollout.seconds, 2) if rollout else None,
+        "generation_seconds_share": round(rollout.seconds / runtime, 4) if rollout and runtime else None,
+        "rollout_tokens_per_second": round(rollout.tokens / rollout.seconds, 1)
+        if rollout and rollout.seconds
+        else None,
+        "tool_use_rate_first": (_series(hist, "tools/tool_use_rate") or [None])[0],
+        "tool_use_rate_last": (_series(hist, "tools/tool_use_rate") or [None])[-1],
+        # TRL's own loop (agent.format chat) logs tools/call_frequency (calls per completion) and no tool-use rate
+        "tool_calls_per_completion_last": (
+            _series(hist, "tools/tool_calls_per_problem", "tools/call_frequency") or [None]
+        )[-1],
+        "tool_error_rate_last": (_series(hist, "tools/tool_error_rate") or [None])[-1],
+        "beta": args.beta,
+        **run,
+    }
+    training.save(trainer, tok, "grpo", METRICS, metrics)
+    log.info(
+        "reward %.3f -> %.3f over %d steps (%.1fs); saved %s",
+        metrics["reward_mean_first_20pct"] or 0,
+        metrics["reward_mean_last_20pct"] or 0,
+        metrics["steps"],
+        runtime,
+        STAGE_DIRS["grpo"],
+    )
+    return metrics
+
+
+if __name__ == "__main__":
+    training.main("grpo", train, BatchConfigError)

@@ -1,0 +1,77 @@
+"""The package layout (issue 43, docs/architecture.md): the sub-packages, and the old flat module paths refused with
+a message naming the new ones. The import layering is checked in test_dvc_pipeline.py (layering_violations)."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import agentrl
+from agentrl import MOVED_MODULES
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src/agentrl"
+PACKAGES = ("agent", "api", "envs", "experiments", "serving", "stages")
+
+
+def test_every_moved_module_is_gone_and_its_new_home_exists():
+    """The finder never hides a real module: each old path has no file any more, each new path is a module."""
+    assert len(MOVED_MODULES) >= 20
+    for old, (new, how) in MOVED_MODULES.items():
+        assert not (SRC / f"{old.removeprefix('agentrl.')}.py").exists(), old
+        assert importlib.util.find_spec(new) is not None, f"{old} -> {new}: no such module"
+        assert new in how, (old, how)
+
+
+@pytest.mark.parametrize("old", ["agentrl.sft", "agentrl.agent_api", "agentrl.tools", "agentrl.stage"])
+def test_importing_an_old_module_path_names_the_new_one(old):
+    new, how = MOVED_MODULES[old]
+    with pytest.raises(ModuleNotFoundError) as raised:
+        importlib.import_module(old)
+    assert str(raised.value) == f"{old} moved to {new}: {how}"
+    assert raised.value.name == old
+
+
+def test_python_m_an_old_stage_fails_naming_the_new_module():
+    """What a script or a habit that still runs `python -m agentrl.sft` (or uvicorn agentrl.serve:app) sees."""
+    r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "agentrl.sft moved to agentrl.stages.sft: python -m agentrl.stages.sft" in r.stderr, r.stderr
+
+
+def test_the_loop_names_once_in_agentrl_agent_point_to_agent_loop():
+    """`agentrl.agent` is now the agent/ package: the tool loop's old names fail naming agentrl.agent.loop."""
+    with pytest.raises(ImportError, match=r"agentrl\.agent\.generate_with_tools moved to agentrl\.agent\.loop"):
+        from agentrl.agent import generate_with_tools  # noqa: F401
+    from agentrl.agent import loop, tools  # the package's modules import as usual
+
+    assert callable(loop.generate_with_tools) and callable(tools.get_tool)
+    assert not hasattr(importlib.import_module("agentrl.agent"), "no_such_name")
+
+
+def test_every_module_path_the_commands_run_exists():
+    """dvc.yaml's stage commands, the Makefile's `python -m` / uvicorn targets and the shell scripts name modules
+    that exist (after a move, a stale path there fails only when someone runs it)."""
+    texts = [yaml.safe_dump(yaml.safe_load((ROOT / "dvc.yaml").read_text())), (ROOT / "Makefile").read_text()]
+    texts += [p.read_text() for p in sorted((ROOT / "scripts").glob("*.sh"))]
+    named = {m for text in texts for m in re.findall(r"(?:-m |uvicorn )(agentrl(?:\.\w+)+)", text)}
+    assert {"agentrl.stages.sft", "agentrl.stages.evaluate", "agentrl.api.mcp_server"} <= named, named
+    for module in sorted(named):
+        assert importlib.util.find_spec(module) is not None, f"{module} is run but does not exist"
+    served = re.findall(r"uvicorn (agentrl[\w.]*):(\w+)", (ROOT / "Makefile").read_text())
+    assert served == [("agentrl.serving.app", "app")], served
+
+
+def test_the_tree_has_the_sub_packages_and_none_is_crowded():
+    """Where a new stage, environment, reward, route or API action goes can be read from the tree: the six
+    sub-packages exist and none holds more than 12 modules (nor does the top level, the core)."""
+    assert agentrl.__file__ == str(SRC / "__init__.py")
+    for package in PACKAGES:
+        assert (SRC / package / "__init__.py").exists(), package
+    for folder in [SRC, *(SRC / p for p in PACKAGES)]:
+        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 12, f"{folder.relative_to(ROOT)} holds {len(modules)} modules: {sorted(modules)}"
