@@ -85,8 +85,8 @@ class DataParams(Strict):
     hub_revision: Optional[str]
     max_samples: Optional[int] = Field(ge=1, le=100_000_000)
     eval_max_samples: Optional[int] = Field(ge=1, le=10_000_000)
-    # GSM8K calculator annotations <<a*b=c>>: 'auto' keeps them when agent.tools is set (they are the tool
-    # calls the policy learns), strips them otherwise; true/false force it
+    # GSM8K calculator annotations <<a*b=c>>: 'auto' keeps them when agent.tools or agent.environment is set (they
+    # are the tool calls the policy learns), strips them otherwise; true/false force it
     strip_calculator_annotations: Union[Literal["auto"], StrictBool]
     calculator_share: float = Field(ge=0, le=1)  # share of kept-annotation training solutions that call the tool
     on_bad_rows: Literal["error", "drop"]

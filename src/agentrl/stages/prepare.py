@@ -104,9 +104,10 @@ def load_raw(data: DataParams, seed: int) -> tuple[list[RawRow], list[RawRow]]:
 
 def strip_annotations(params: Params) -> bool:
     """data.strip_calculator_annotations, where 'auto' keeps GSM8K's <<a*b=c>> annotations (the tool calls the
-    policy learns to make) exactly when agent.tools is set."""
+    policy learns to make) exactly when agent.tools or agent.environment is set (a custom environment class replays
+    them through its own tool, docs/environments.md)."""
     v = params.data.strip_calculator_annotations
-    return (not params.agent.tools) if v == "auto" else bool(v)
+    return not (params.agent.tools or params.agent.environment) if v == "auto" else bool(v)
 
 
 def mix_tool_use(examples: list, share: float, seed: int) -> float:
