@@ -414,7 +414,7 @@ class Check:
 
         def launch(cfg, stage):
             return [py, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{cfg}.yaml",
-                    "--num_processes", "1", "-m", f"agentrl.{stage}"]  # fmt: skip
+                    "--num_processes", "1", "-m", f"agentrl.stages.{stage}"]  # fmt: skip
 
         smoke = ["--cpu-smoke"] if self.cpu else []
         cuda_only = "CUDA-only (--cpu-smoke)" if self.cpu else None
