@@ -133,9 +133,10 @@ train-ddp train-zero2 train-zero3 train-zero3-offload: setup ## the pipeline und
 
 # A params recipe (configs/recipes/) as one DVC experiment: `dvc exp run -S ++key=value` per leaf of RECIPE,
 # validated first (scripts/recipe.py). E.g. make recipe RECIPE=configs/recipes/qwen3-0.6b-gsm8k.yaml
-RECIPE ?= configs/recipes/qwen3-0.6b-gsm8k.yaml
+# RECIPE is empty unless given (train-multinode then applies none); `make recipe` alone runs the Qwen3 recipe.
+RECIPE ?=
 recipe: setup ## a params recipe (RECIPE=configs/recipes/...) as one validated DVC experiment
-	python scripts/recipe.py run $(RECIPE) -- $(DVC_EXP_ARGS)
+	python scripts/recipe.py run $(or $(strip $(RECIPE)),configs/recipes/qwen3-0.6b-gsm8k.yaml) -- $(DVC_EXP_ARGS)
 
 # An environment preset (configs/envs/<ENV>.yaml: countdown, countdown-nofeedback, gridworld, gridworld-local,
 # gridworld-explore, gridworld-5x5, gridworld-look, calculator-chat) as the named experiment env-<ENV> in a temporary workspace
@@ -147,16 +148,24 @@ env: setup ## an environment preset (ENV=countdown|gridworld|...) as experiment 
 	python scripts/recipe.py run configs/envs/$(ENV).yaml -- --temp --name env-$(ENV) $(DVC_EXP_ARGS)
 	python scripts/env_results.py env-$(ENV) docs/envs/$(ENV)
 
-# Multi-node: run on every node with its MACHINE_RANK; MAIN_IP/MAIN_PORT name rank 0's address.
+# Multi-node (docs/scaling.md#multi-node): run on every node at once, each with its MACHINE_RANK; MAIN_IP/MAIN_PORT
+# name rank 0's address. RECIPE (one file or several, applied in order) is first written into params.yaml
+# (scripts/recipe.py apply: a no-op where already applied); machine rank 0 then runs `dvc repro prepare base`, which
+# the other ranks wait for at the rendezvous (torch's static rendezvous, up to 600 s). STAGE: one stage, or several
+# run in order (STAGE="sft grpo").
 MACHINE_RANK ?= 0
 NUM_MACHINES ?= 2
 MAIN_IP ?= 127.0.0.1
 MAIN_PORT ?= 29500
 STAGE ?= sft
-train-multinode: setup ## one node of a multi-node STAGE (MACHINE_RANK, NUM_MACHINES, MAIN_IP)
-	accelerate launch --config_file configs/accelerate/multi_node.yaml --num_machines $(NUM_MACHINES) \
-	  --num_processes $(NPROC) --machine_rank $(MACHINE_RANK) --main_process_ip $(MAIN_IP) \
-	  --main_process_port $(MAIN_PORT) -m agentrl.stages.$(STAGE)
+train-multinode: setup ## one node of multi-node STAGE(s): RECIPE, then data+base on rank 0
+	$(if $(strip $(RECIPE)),python scripts/recipe.py apply $(RECIPE))
+	$(if $(filter 0,$(MACHINE_RANK)),dvc repro prepare base)
+	for stage in $(STAGE); do \
+	  accelerate launch --config_file configs/accelerate/multi_node.yaml --num_machines $(NUM_MACHINES) \
+	    --num_processes $(NPROC) --machine_rank $(MACHINE_RANK) --main_process_ip $(MAIN_IP) \
+	    --main_process_port $(MAIN_PORT) -m agentrl.stages.$$stage || exit 1; \
+	done
 
 clean: ## delete the pipeline's outputs in the workspace (models, metrics, ...)
 	rm -rf data/prepared models checkpoints eval metrics diagnostics dvclive runs wandb reports
@@ -207,6 +216,12 @@ bench: setup ## benchmarks: step times, memory, tool loop, serving (metrics/benc
 # format through our loop vs TRL's environment_factory loop: metrics/bench_tools.json, BENCHMARKS-tools.md
 bench-tools: setup-openenv ## the tool loop vs plain generate, the decode ceiling and TRL's env loop
 	python scripts/bench.py --tools-only
+
+# Predicted peak memory per process of SFT and GRPO for params.yaml and configs/recipes/*.yaml (DeepSpeed's
+# estimators + activations, LM head tiles and KV cache from the model's dims), and the GPU size each fits
+.PHONY: memory-plan
+memory-plan: setup ## peak GPU memory per process of SFT and GRPO, per recipe and ZeRO stage
+	python scripts/memory_plan.py
 
 # The cost of reproducibility.mode portable vs native (SFT and GRPO step times, each mode in its own processes,
 # alternating): metrics/bench_reproducibility.json (docs/reproducibility.md)

@@ -4,7 +4,7 @@
 # modules, DeepSpeed ZeRO-2/ZeRO-3, vLLM colocate rollouts (if vllm imports), export + bitsandbytes int8
 # evaluation (if bitsandbytes imports) and the tool loop's tokens/s; one table (path | status | seconds |
 # tokens/s | note) on stdout and in OUT_DIR/gpu_check.md (+ gpu_check.json, logs.tar.gz). Details:
-# scripts/gpu_check.py (the driver this calls) and README "GPU check".
+# scripts/gpu_check.py (the driver this calls: agentrl.benchmarks.gpu_check) and README "GPU check".
 #
 #   bash scripts/gpu_check.sh [--out OUT_DIR] [--budget SECONDS]   # exit 2 without a CUDA device
 #   bash scripts/gpu_check.sh --cpu-smoke                          # the same sequence on the CPU, tiny model

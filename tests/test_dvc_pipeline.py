@@ -26,7 +26,7 @@ SRC = Path(__file__).resolve().parents[1] / "src/agentrl"
 
 # The layering of docs/architecture.md: a module imports only from its own package and from packages of a lower tier.
 # Core is the top-level modules (config, common, data, ...); the three top packages are peers.
-TIERS = {"core": 0, "envs": 1, "agent": 2, "stages": 3, "api": 4, "serving": 4, "experiments": 4}
+TIERS = {"core": 0, "envs": 1, "agent": 2, "stages": 3, "api": 4, "serving": 4, "experiments": 4, "benchmarks": 5}
 # The crossings allowed besides: the params schema checks names against the environment registry (and nothing else
 # below it imports agent code), and the agent API's actions validate and queue experiments (overrides, queue).
 ALLOWED_CROSSINGS = {("config", "envs.registry"), ("api", "experiments")}

@@ -1,4 +1,5 @@
-"""scripts/env_results.py: an experiment's metrics copied out of its git ref (make env)."""
+"""scripts/env_results.py (agentrl.experiments.env_results): an experiment's metrics copied out of its git ref
+(make env)."""
 
 from __future__ import annotations
 

@@ -647,7 +647,7 @@ def test_rewards_read_solved_flags_and_trl_environments():
     comps = ["#### (3+5)*3", "#### 24", "no answer line"]
     assert rewards.accuracy(comps, ["24"] * 3, solved=[True, False, None]) == [1.0, 0.0, 0.0]
     assert rewards.accuracy(["#### 24"], ["24"], solved=[None]) == [1.0]  # None: the ground truth decides
-    assert rewards.format(comps, solved=[True, False, False]) == [1.0, 1.0, 0.0]
+    assert rewards.format_reward(comps, solved=[True, False, False]) == [1.0, 1.0, 0.0]
     # TRL's GRPOTrainer(environment_factory=...): `environments` + the dataset columns (the rows reset() saw); the
     # completions are its tool loop's messages (assistant, tool, ..., assistant)
     envs = [countdown.Countdown(), countdown.Countdown(), countdown.Countdown()]
@@ -665,7 +665,7 @@ def test_rewards_read_solved_flags_and_trl_environments():
     ]
     assert rewards.env_solved(trl_comps, environments=envs, **cols) == [True, False, False]
     assert rewards.accuracy(trl_comps, environments=envs, **cols) == [1.0, 0.0, 0.0]
-    assert rewards.format(trl_comps, environments=envs, **cols) == [1.0, 1.0, 1.0]
+    assert rewards.format_reward(trl_comps, environments=envs, **cols) == [1.0, 1.0, 1.0]
     grid = gridworld.GridWorld(slip_prob=0.0)
     grid.reset(grid=["SG"], start=[0, 0], goal=[0, 1], seed=0)
     assert rewards.accuracy([[{"role": "assistant", "content": "#### ?"}]], ["goal"], environments=[grid]) == [0.0]

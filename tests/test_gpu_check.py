@@ -1,6 +1,7 @@
-"""scripts/gpu_check.py: it refuses without a CUDA device, and its --cpu-smoke mode runs the whole sequence
-(recipe params on a local random stand-in model, LoRA SFT and GRPO-LoRA through the stage modules,
-evaluation, export, int8 evaluation, the tool loop's speed) on the CPU, every row in one table, none failed."""
+"""scripts/gpu_check.py (agentrl.benchmarks.gpu_check): it refuses without a CUDA device, and its --cpu-smoke mode
+runs the whole sequence (recipe params on a local random stand-in model, LoRA SFT and GRPO-LoRA through the stage
+modules, evaluation, export, int8 evaluation, the tool loop's speed) on the CPU, every row in one table, none
+failed."""
 
 import json
 import os
@@ -9,10 +10,8 @@ import sys
 
 import pytest
 
+from agentrl.benchmarks.gpu_check_setup import pad_vocab
 from conftest import ROOT, mini_params
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_check  # noqa: E402
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 ROWS_OK = [
@@ -60,7 +59,7 @@ def test_padded_tokenizer_decodes_every_id():
     from agentrl.modeling import train_tokenizer
 
     tok = train_tokenizer(["Tom has 3 apples. 3+4=7 #### 7"] * 20, 300)
-    padded = gpu_check.pad_vocab(tok, 1000)
+    padded = pad_vocab(tok, 1000)
     assert len(padded) == 1000
     text = "Tom has 3 apples. 3+4=7"
     assert padded(text)["input_ids"] == tok(text)["input_ids"]

@@ -15,7 +15,7 @@ from agentrl import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src/agentrl"
-PACKAGES = ("agent", "api", "envs", "experiments", "serving", "stages")
+PACKAGES = ("agent", "api", "benchmarks", "envs", "experiments", "serving", "stages")
 
 
 def test_every_moved_module_is_gone_and_its_new_home_exists():
@@ -67,7 +67,7 @@ def test_every_module_path_the_commands_run_exists():
 
 
 def test_the_tree_has_the_sub_packages_and_none_is_crowded():
-    """Where a new stage, environment, reward, route or API action goes can be read from the tree: the six
+    """Where a new stage, environment, reward, route or API action goes can be read from the tree: the seven
     sub-packages exist and none holds more than 12 modules (nor does the top level, the core)."""
     assert agentrl.__file__ == str(SRC / "__init__.py")
     for package in PACKAGES:
@@ -75,3 +75,34 @@ def test_the_tree_has_the_sub_packages_and_none_is_crowded():
     for folder in [SRC, *(SRC / p for p in PACKAGES)]:
         modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
         assert len(modules) <= 12, f"{folder.relative_to(ROOT)} holds {len(modules)} modules: {sorted(modules)}"
+
+
+SCRIPTS_LINE_BUDGET = 800  # issue 43: scripts/ holds command lines; the library code lives in the package
+
+
+def scripts_path_inserts(tests: Path) -> list[str]:
+    """The test files (and lines) that put scripts/ on sys.path to import library code from it.
+
+    Args:
+        tests: the folder of test files to read.
+
+    Returns:
+        "file:line" for each sys.path insert or append whose line names scripts.
+    """
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"sys\.path\.(insert|append)\(.*scripts", line):
+                found.append(f"{path.name}:{number}")
+    return found
+
+
+def test_scripts_are_thin_command_lines_and_no_test_imports_from_them(tmp_path):
+    """scripts/ stays a room of command lines (<= 800 lines of Python in all) and tests import the package, not
+    scripts/ (a planted insert is found, so the check can fail)."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "scripts").glob("*.py")}
+    assert sum(lines.values()) <= SCRIPTS_LINE_BUDGET, sorted(lines.items(), key=lambda item: -item[1])
+    assert scripts_path_inserts(ROOT / "tests") == []
+    planted = "sys.path." + 'insert(0, str(ROOT / "scripts"))'  # split so that this file does not match itself
+    (tmp_path / "test_planted.py").write_text(f"import sys\n{planted}\n")
+    assert scripts_path_inserts(tmp_path) == ["test_planted.py:2"]

@@ -415,15 +415,12 @@ def test_bench_openenv_transport_times_both_paths_on_the_same_rollouts():
     """`make bench-tools`' OpenEnv row: both paths time the same forced rollouts (it raises when they differ) and the
     ratio is the median of the rounds' paired ratios."""
     import statistics
-    import sys
 
+    from agentrl.benchmarks.openenv_transport import openenv_transport
     from agentrl.config import load_params
     from conftest import ROOT
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench
-
-    r = bench.openenv_transport(load_params(ROOT / "params.yaml"), n=6, rounds=2)
+    r = openenv_transport(load_params(ROOT / "params.yaml"), n=6, rounds=2)
     assert r["rollouts"] == 6 and r["tool_calls"] >= 6  # every countdown demonstration checks at least once
     assert r["in_process_seconds"]["runs"] == r["openenv_seconds"]["runs"] == 2
     assert r["ratio"] == statistics.median(r["round_ratios"]) > 0

@@ -1,19 +1,21 @@
 """configs/recipes/qwen3-0.6b-gsm8k.yaml applied the way `make recipe` applies it (DVC's own `-S` override
 mechanism on params.yaml), with a local stand-in for Qwen/Qwen3-0.6B (no hub here): every override reaches
-SFTConfig / GRPOConfig / LoraConfig, the model loader or the validated params."""
+SFTConfig / GRPOConfig / LoraConfig, the model loader or the validated params. Then `recipe.py apply` (the recipe
+written into params.yaml for a cluster job) and docs/scaling.md's cluster commands, each of which must exist."""
 
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 
+from agentrl.experiments import recipe
 from agentrl.experiments.overrides import get, leaves
+from agentrl.experiments.recipe import RecipeError
+from agentrl.experiments.scratch import git_commit_all
 from conftest import ROOT, tiny_lm
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import recipe
 
 RECIPE = ROOT / "configs/recipes/qwen3-0.6b-gsm8k.yaml"
 # Qwen3's chat template branch for thinking off (the real template carries the same test)
@@ -114,7 +116,7 @@ def test_recipe_overrides_reach_every_config(tmp_path, stand_in):
 def test_recipe_typo_is_caught_before_dvc_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(RECIPE.read_text().replace("    beta: 0.001", "    beta: 0.001\n    learnig_rate: 1.0e-6"))
-    with pytest.raises(SystemExit, match="grpo.trainer.learnig_rate: unknown argument of GRPOConfig"):
+    with pytest.raises(RecipeError, match="grpo.trainer.learnig_rate: unknown argument of GRPOConfig"):
         recipe.check(bad, ROOT / "params.yaml")
 
 
@@ -133,7 +135,7 @@ def test_a_value_dvc_would_not_write_as_given_is_refused(tmp_path):
     """An interpolation would be resolved by `dvc exp run -S` (here: the environment): refused, naming the key."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  system_prompt: 'home is ${oc.env:HOME}'\n")
-    with pytest.raises(SystemExit, match=re.escape(f"{bad}: data.system_prompt: ") + ".*interpolation"):
+    with pytest.raises(RecipeError, match=re.escape(f"{bad}: data.system_prompt: ") + ".*interpolation"):
         recipe.overrides(bad)
 
 
@@ -141,3 +143,121 @@ def test_a_value_dvc_would_not_write_as_given_is_refused(tmp_path):
 def test_every_environment_preset_gives_valid_params(preset):
     """Each `make env ENV=<name>` preset applies to params.yaml and validates (a typo'd key or knob fails here)."""
     recipe.check(preset, ROOT / "params.yaml")
+
+
+# ------------------------------------------------------------------------ recipe.py apply (a cluster job's step 1)
+@pytest.fixture
+def clone(tmp_path):
+    """A git checkout holding the committed params.yaml, as a fresh clone has it."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    git_commit_all(tmp_path, "clone")
+    return tmp_path
+
+
+def apply_cli(repo, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts/recipe.py"), "apply", *args], cwd=repo, capture_output=True, text=True
+    )
+
+
+def test_apply_writes_the_recipe_prints_the_changes_then_is_a_no_op(clone):
+    from agentrl.config import load_yaml
+
+    r = apply_cli(clone, str(RECIPE))
+    assert r.returncode == 0, r.stderr
+    assert "model.base_model: 'tiny' -> 'Qwen/Qwen3-0.6B'" in r.stdout.splitlines(), r.stdout
+    applied = load_yaml(clone / "params.yaml")
+    assert all(get(applied, k) == v for k, v in leaves(load_yaml(RECIPE)))
+    before = (clone / "params.yaml").read_bytes()
+    again = apply_cli(clone, str(RECIPE))  # every node and every stage of a job may run it
+    assert again.returncode == 0 and again.stdout.strip() == "params.yaml already has every value of the recipe"
+    assert (clone / "params.yaml").read_bytes() == before
+
+
+def test_a_later_recipe_wins_and_keeps_the_rest_of_the_first(clone):
+    from agentrl.config import load_yaml
+
+    site = clone / "site.yaml"
+    site.write_text("model:\n  base_model: tiny\n  precision: fp32\n")
+    changes = recipe.apply_in_place([RECIPE, site], clone / "params.yaml")
+    applied = load_yaml(clone / "params.yaml")
+    assert (applied["model"]["base_model"], applied["model"]["precision"]) == ("tiny", "fp32")
+    assert applied["data"]["source"] == "gsm8k" and "data.source: 'synthetic' -> 'gsm8k'" in changes
+    assert "model.precision: 'auto' -> 'fp32'" in changes and not any(c.startswith("model.base_model") for c in changes)
+
+
+def test_apply_refuses_uncommitted_edits_unless_forced(clone):
+    from agentrl.config import load_yaml
+
+    params = clone / "params.yaml"
+    params.write_text(params.read_text().replace("\nseed: 42", "\nseed: 7"))
+    edited = params.read_bytes()
+    r = apply_cli(clone, str(RECIPE))
+    assert r.returncode == 1 and "params.yaml has uncommitted edits (M params.yaml)" in r.stderr, r.stderr
+    assert "--force" in r.stderr and params.read_bytes() == edited
+    assert apply_cli(clone, str(RECIPE), "--force").returncode == 0
+    applied = load_yaml(params)
+    assert applied["seed"] == 7 and applied["model"]["base_model"] == "Qwen/Qwen3-0.6B"
+
+
+def test_apply_outside_git_needs_force(tmp_path):
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    with pytest.raises(RecipeError, match="params.yaml: not in a git checkout .*--force"):
+        recipe.apply_in_place([RECIPE], tmp_path / "params.yaml")
+    assert recipe.apply_in_place([RECIPE], tmp_path / "params.yaml", force=True)
+
+
+def test_apply_validates_before_it_writes(clone):
+    bad = clone / "bad.yaml"
+    bad.write_text("grpo:\n  trainer:\n    learnig_rate: 1.0e-6\n")
+    git_commit_all(clone, "bad recipe")
+    before = (clone / "params.yaml").read_bytes()
+    with pytest.raises(
+        RecipeError,
+        match=r"(?s)bad.yaml: the overridden params are invalid:\n.*/params.yaml:.*grpo.trainer.learnig_rate",
+    ):
+        recipe.apply_in_place([bad], clone / "params.yaml")
+    assert (clone / "params.yaml").read_bytes() == before
+    assert not list(clone.glob(".params-*"))  # no scratch file left behind
+
+
+# ------------------------------------------------------------- docs/scaling.md's cluster commands exist
+def cluster_commands() -> list[str]:
+    """The commands of the fenced blocks in docs/scaling.md's "Cluster sequence" section, continuations joined,
+    comments dropped."""
+    text = (ROOT / "docs/scaling.md").read_text()
+    section = text.split("\n## Cluster sequence", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = []
+    for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
+        line = line.split("  #", 1)[0].strip()
+        if line and not line.startswith("#"):
+            commands.append(line)
+    return commands
+
+
+def test_every_cluster_command_in_the_docs_exists():
+    from test_makefile import makefile_targets
+
+    commands = cluster_commands()
+    assert len(commands) >= 8, commands
+    targets, makefile = makefile_targets(), (ROOT / "Makefile").read_text()
+    subcommands = re.search(r"choices=\[(.*?)\]", (ROOT / "scripts/recipe.py").read_text()).group(1)
+    seen = set()
+    for cmd in commands:
+        for part in re.split(r"&&|;", cmd):
+            words = part.split()
+            if words[:1] == ["make"]:
+                assert words[1] in targets, (cmd, "no such make target")
+                for var in (w.split("=")[0] for w in words[2:] if "=" in w):
+                    assert re.search(rf"^{var} \?=", makefile, re.M), (cmd, var, "not a Makefile variable")
+            elif "scripts/recipe.py" in words:
+                sub = words[words.index("scripts/recipe.py") + 1]
+                assert f'"{sub}"' in subcommands and (ROOT / words[words.index("scripts/recipe.py") + 2]).exists(), cmd
+            elif words[:2] == [".venv/bin/dvc", "repro"]:
+                stages = (ROOT / "dvc.yaml").read_text()
+                assert all(re.search(rf"^  {s}:", stages, re.M) for s in words[2:] if not s.startswith("-")), cmd
+            elif words[:1] == ["sbatch"] or "sbatch" in words:
+                assert (ROOT / words[words.index("sbatch") + 1]).exists(), cmd
+            seen.add(words[0].split("=")[0] if "=" in words[0] else words[0])
+    assert {"make", ".venv/bin/python", ".venv/bin/dvc"} <= seen, seen

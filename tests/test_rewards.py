@@ -56,7 +56,7 @@ def test_accuracy_reward_conversational_completions():
 
 
 def test_format_reward():
-    assert rewards.format([RIGHT, WRONG, UNPARSEABLE]) == [1.0, 1.0, 0.0]
+    assert rewards.format_reward([RIGHT, WRONG, UNPARSEABLE]) == [1.0, 1.0, 0.0]
 
 
 def test_length_penalty():
@@ -81,10 +81,26 @@ def test_registry_unknown_name_lists_known():
 
 
 def test_registry_custom_import_path():
-    fn = get_reward("agentrl.agent.rewards:format")
+    fn = get_reward("agentrl.agent.rewards:format_reward")
     assert fn([RIGHT]) == [1.0]
     with pytest.raises(ValueError, match="cannot import"):
         get_reward("no.such.module:fn")
+
+
+def test_trl_logs_each_builtin_reward_under_its_registry_name():
+    """GRPOTrainer names reward i `get_callable_name(reward_funcs[i])` and logs `rewards/<name>/mean`; the names
+    are the params keys (grpo.rewards.format -> rewards/format/mean), whatever the functions are called in
+    rewards.py (format_reward: a def named `format` would shadow the builtin)."""
+    from trl.trainer.utils import get_callable_name
+
+    funcs, _ = build_rewards({"accuracy": 1.0, "format": 0.5, "length_penalty": 0.1, "step": 0.1}, {"length_max": 5})
+    assert [f"rewards/{get_callable_name(f)}/mean" for f in funcs] == [
+        "rewards/accuracy/mean",
+        "rewards/format/mean",
+        "rewards/length_penalty/mean",
+        "rewards/step/mean",
+    ]
+    assert get_reward("format")([RIGHT, UNPARSEABLE]) == [1.0, 0.0]  # the renamed function, under its old name
 
 
 def test_build_rewards_binds_kwargs_and_weights():

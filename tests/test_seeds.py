@@ -1,5 +1,6 @@
-"""`make seeds` (scripts/seeds.py): the aggregate over seeds, the README block, the model card's and the report's
-seed spread; and (slow) the script end to end over `dvc exp` in a scratch copy of the repository."""
+"""`make seeds` (scripts/seeds.py, agentrl.experiments.seeds): the aggregate over seeds, the README block, the model
+card's and the report's seed spread; and (slow) the script end to end over `dvc exp` in a scratch copy of the
+repository."""
 
 from __future__ import annotations
 
@@ -11,13 +12,11 @@ import sys
 import pytest
 import yaml
 
+from agentrl.experiments import seeds
 from agentrl.experiments.scratch import git_commit_all
 from agentrl.stages.card import read_seeds, seed_summary
 from agentrl.stages.compare import mcnemar_exact
 from conftest import ROOT, mini_params, tool_env
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import seeds  # noqa: E402
 
 
 def fake_run(seed, sft, grpo, gained, lost, n=100):

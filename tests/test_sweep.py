@@ -1,5 +1,6 @@
-"""Sweeps (scripts/sweep.py): the space file's checks, random / optuna studies over a scripted queue, and grid /
-optuna end to end over `dvc exp` in a temporary copy of the repository (miniature config, slow)."""
+"""Sweeps (scripts/sweep.py, agentrl.experiments.sweep): the space file's checks, random / optuna studies over a
+scripted queue, and grid / optuna end to end over `dvc exp` in a temporary copy of the repository (miniature
+config, slow)."""
 
 import copy
 import json
@@ -11,10 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agentrl.experiments import sweep
 from conftest import ROOT, mini_params, tool_env
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import sweep  # noqa: E402
 
 LR, R, BETA = "grpo.trainer.learning_rate", "grpo.lora.r", "grpo.trainer.beta"
 SPACE = {
@@ -52,6 +51,38 @@ def test_space_errors_name_the_file_and_key(tmp_path, kind, edit, error):
     path.write_text(yaml.safe_dump(space))
     with pytest.raises(SystemExit, match=re.escape(f"{path}: ") + ".*" + re.escape(error)):
         sweep.load_space(str(path), kind)
+
+
+def test_the_search_name_is_checked_before_anything_is_created(tmp_path, monkeypatch):
+    """sweep.main checks the space, then the name with the agent API's experiment-name rule
+    (experiments.queue.experiment_name_problem), before sweeps/<name>/ or a queue entry exists."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    monkeypatch.setattr(sweep, "dvc", lambda *a, **k: pytest.fail(f"queued {a}"))
+    refused = "--name 'a..b': names its experiments a..b-tN, and 'name' must be a valid git ref name"
+    with pytest.raises(SystemExit, match=re.escape(refused)):
+        sweep.main(["grid", "--space", "space.yaml", "--name", "a..b"])
+    assert not (tmp_path / "sweeps").exists()
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({k: v for k, v in SPACE.items() if k != "random"}))
+    with pytest.raises(SystemExit, match="space.yaml: missing or empty section 'random'"):
+        sweep.main(["optuna", "--space", "space.yaml", "--name", "a..b"])  # a bad space stops first
+
+
+def test_the_api_and_the_sweeps_share_one_name_rule():
+    """The agent API's check and the sweeps' check word the same rule (experiments.queue.experiment_name_problem)."""
+    from agentrl.api.checks import APIError, check_experiment_name
+    from agentrl.experiments.queue import check_search_name, experiment_name_problem
+
+    for name in ("HEAD", "abcd", "a b", "workspace", "x.lock"):
+        problem = experiment_name_problem(name)
+        assert problem, name
+        with pytest.raises(APIError, match=re.escape(f"'name' {problem}; got {name!r}")):
+            check_experiment_name(name)
+    with pytest.raises(SystemExit, match=re.escape(f"'name' {experiment_name_problem('a b-t0')}")):
+        check_search_name("a b")
+    assert experiment_name_problem("grpo-lr-3") == ""
+    check_experiment_name("grpo-lr-3")
+    check_search_name("grpo-lr")
 
 
 def test_valid_space_and_its_optuna_distributions(tmp_path):

@@ -1,4 +1,5 @@
-"""Sweeps across machines (scripts/sweep_worker.py): workers in separate clones share one Optuna study.
+"""Sweeps across machines (scripts/sweep_worker.py, agentrl.experiments.sweep_worker): workers in separate clones
+share one Optuna study.
 
 Default tests: two worker processes on a journal file, with a stand-in `dvc` (seconds per trial) so the study's
 accounting is checked in seconds: N trials, no duplicate, one worker killed mid-trial and its trial retried.
@@ -21,10 +22,8 @@ from typing import Callable
 
 import pytest
 
+from agentrl.experiments import sweep_worker
 from conftest import MAKE, ROOT, mini_params, tool_env
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import sweep_worker  # noqa: E402
 
 WORKER = [sys.executable, str(ROOT / "scripts/sweep_worker.py")]
 

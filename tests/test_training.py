@@ -3,7 +3,6 @@
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -206,13 +205,12 @@ def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):
     assert b"git_commit" in blob or "git_commit" in text
     assert b"sk-test-secret-key" not in blob and "sk-test-secret-key" not in text
     assert b"<redacted>" in blob or "<redacted>" in text  # the params' hub_token reached W&B only redacted
-    # the W&B Report (scripts/wandb_report.py) plots keys the stages really log
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import wandb_report
+    # the W&B Report (agentrl.experiments.wandb_report) plots keys the stages really log
+    from agentrl.experiments import wandb_report
 
     logged = [
         k
-        for _, keys in wandb_report.TRAINING_PANELS
+        for _, keys in wandb_report.training_panels()
         for k in keys
         if k != "train/kl" or trained["params"].grpo.trainer["beta"] > 0
     ]  # TRL logs kl only when beta > 0
@@ -324,13 +322,12 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
 
 
 def test_bench_merged_rollouts_alternates_the_two_samplers(trained, monkeypatch):
-    """scripts/bench.py --merged-rollouts: after 2 warm-up steps, GRPO steps alternate between the PEFT model and the
-    merged copy (odd steps merged), and each side's figures come from its own steps."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench
+    """scripts/bench.py --merged-rollouts (agentrl.benchmarks.training): after 2 warm-up steps, GRPO steps alternate
+    between the PEFT model and the merged copy (odd steps merged), and each side's figures come from its own steps."""
+    from agentrl.benchmarks.training import grpo_step_stats
 
     monkeypatch.chdir(trained["dir"])
-    r = bench.grpo_step_stats(trained["params"], steps=6, alternate_merged=True)
+    r = grpo_step_stats(trained["params"], steps=6, alternate_merged=True)
     assert r["merged"]["steps"] == r["adapter"]["steps"] == 2
     for side in ("merged", "adapter"):
         assert r[side]["seconds_per_step"] >= r[side]["generation_seconds_per_step"] > 0
@@ -339,15 +336,14 @@ def test_bench_merged_rollouts_alternates_the_two_samplers(trained, monkeypatch)
 
 
 def test_bench_grpo_steps_reset_each_episode_with_its_row(trained, monkeypatch):
-    """scripts/bench.py's GRPO step timing (`make bench`, `make bench-tools`) builds its rollout function as the
-    stage does, with the dataset's rows: an environment such as countdown resets each episode with its row (without
-    them its episodes would have no numbers and target, and the timing would be of a different task)."""
+    """The benchmarks' GRPO step timing (agentrl.benchmarks.training; `make bench`, `make bench-tools`) builds its
+    rollout function as the stage does, with the dataset's rows: an environment such as countdown resets each episode
+    with its row (without them its episodes would have no numbers and target, and the timing would be of a different
+    task)."""
     from datasets import load_dataset
 
+    from agentrl.benchmarks.training import grpo_step_stats
     from agentrl.stages import grpo
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench
 
     monkeypatch.chdir(trained["dir"])
     seen = []
@@ -361,7 +357,7 @@ def test_bench_grpo_steps_reset_each_episode_with_its_row(trained, monkeypatch):
 
     monkeypatch.setattr(grpo, "rollout_plan", plan)
     with pytest.raises(Stop):
-        bench.grpo_step_stats(trained["params"], steps=1)
+        grpo_step_stats(trained["params"], steps=1)
     assert seen == [list(load_dataset("json", data_files=grpo.DATA, split="train"))] and seen[0]
 
 

@@ -1,17 +1,15 @@
-"""scripts/wandb_report.py builds its W&B Report offline (saving needs a key and the network); its panels are
-dvc.yaml's plots (mapped to the keys W&B gets) and the report's per-stage columns, not a list of their own."""
+"""scripts/wandb_report.py (agentrl.experiments.wandb_report) builds its W&B Report offline (saving needs a key and
+the network); its panels are dvc.yaml's plots (mapped to the keys W&B gets) and the report's per-stage columns, not a
+list of their own."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from agentrl.experiments import wandb_report
 from agentrl.experiments.report import STAGE_COLUMNS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import wandb_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +54,7 @@ def test_every_dvc_yaml_plot_is_a_panel_of_its_stage_runs():
     }
     assert set(grids) == {f"Group = 'exp-1' and JobType = '{j}'" for j in ("sft", "grpo", "eval")}
     # the curves tests/test_training.py checks the stages really log
-    assert ("GRPO tool use", ["train/tools/tool_use_rate"]) in wandb_report.TRAINING_PANELS
+    assert ("GRPO tool use", ["train/tools/tool_use_rate"]) in wandb_report.training_panels()
 
 
 def test_a_plot_added_to_dvc_yaml_becomes_a_panel(tmp_path):

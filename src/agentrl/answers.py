@@ -22,12 +22,12 @@ def normalize_number(text: str) -> Optional[str]:
     """'1,000' -> '1000', '$5' -> '5', '2.50' -> '2.5', '7.00' -> '7'. None if not a number."""
     if text is None:
         return None
-    s = str(text).strip().replace(",", "").replace("$", "").replace(" ", "")
-    s = s.rstrip(".")
-    if not re.fullmatch(r"-?\d+(?:\.\d+)?", s):
+    cleaned = str(text).strip().replace(",", "").replace("$", "").replace(" ", "")
+    cleaned = cleaned.rstrip(".")
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?", cleaned):
         return None
-    neg = s.startswith("-")
-    int_part, _, frac = s.lstrip("-").partition(".")
+    neg = cleaned.startswith("-")
+    int_part, _, frac = cleaned.lstrip("-").partition(".")
     frac = frac.rstrip("0")
     out = (int_part.lstrip("0") or "0") + ("." + frac if frac else "")
     return "-" + out if neg and out != "0" else out
@@ -56,10 +56,10 @@ def answers_match(pred: Optional[str], truth: Optional[str], rel_tol: float = 1e
     if pred is None or truth is None:
         return False
     try:
-        a, b = float(pred), float(truth)
+        predicted, expected = float(pred), float(truth)
     except ValueError:
         return False
-    return math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-9)
+    return math.isclose(predicted, expected, rel_tol=rel_tol, abs_tol=1e-9)
 
 
 def strip_calculator_annotations(text: str) -> str:

@@ -20,9 +20,9 @@ def get_logger(stage: str) -> logging.Logger:
     """A logger whose lines say which stage is talking; only rank 0 logs at INFO."""
     log = logging.getLogger(f"agentrl.{stage}")
     if not log.handlers:
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter(f"%(asctime)s [{stage}] %(levelname)s %(message)s", "%H:%M:%S"))
-        log.addHandler(h)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [{stage}] %(levelname)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
         log.propagate = False
     log.setLevel(logging.INFO if is_main_process() else logging.WARNING)
     return log
@@ -99,8 +99,8 @@ HEADLINE: dict[str, tuple[str, ...]] = {
 
 def diagnostics_path(metrics_path: str | Path) -> Path:
     """metrics/<name>.json -> diagnostics/<name>.json (a sibling folder of metrics/)."""
-    p = Path(metrics_path)
-    return p.parent.parent / "diagnostics" / p.name
+    metrics_file = Path(metrics_path)
+    return metrics_file.parent.parent / "diagnostics" / metrics_file.name
 
 
 def split_metrics(name: str, data: dict) -> tuple[dict, dict]:
@@ -130,9 +130,9 @@ def write_metrics(path: str | Path, data: dict) -> None:
     write_json(path, head)
 
 
-def _merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
@@ -168,8 +168,8 @@ def precision_kwargs(precision: str) -> dict:
     Several CPU processes need telling: DDP must run as accelerate's MULTI_CPU (use_cpu, gloo) or the
     processes silently train alone; DeepSpeed must keep use_cpu off but name the gloo backend, or
     accelerate leaves it with a world size of 1."""
-    p = resolve_precision(precision)
-    kw = {"bf16": p == "bf16", "fp16": p == "fp16"}
+    resolved = resolve_precision(precision)
+    kw = {"bf16": resolved == "bf16", "fp16": resolved == "fp16"}
     if not torch.cuda.is_available() and world_size() > 1:
         kw["ddp_backend"] = "gloo"
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
@@ -184,11 +184,11 @@ def torch_dtype(precision: str) -> torch.dtype:
 def file_digest(path: str | Path) -> str:
     import hashlib
 
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -204,13 +204,13 @@ def model_files_digest(directory: str | Path) -> str:
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: model directory not found (run the stage that writes it first)")
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
-    if not any(p.match(pat) for p in files for pat in WEIGHT_PATTERNS):
+    files = sorted(path for path in directory.rglob("*") if path.is_file())
+    if not any(path.match(pat) for path in files for pat in WEIGHT_PATTERNS):
         raise FileNotFoundError(f"{directory}: no weight file ({', '.join(WEIGHT_PATTERNS)}) in the model directory")
-    h = hashlib.sha256()
-    for p in files:
-        h.update(f"{p.relative_to(directory).as_posix()}\0{file_digest(p)}\0".encode())
-    return h.hexdigest()[:16]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.relative_to(directory).as_posix()}\0{file_digest(path)}\0".encode())
+    return digest.hexdigest()[:16]
 
 
 # A checkpoint counts for resuming only once it is complete. Why validate rather than write atomically:
@@ -254,12 +254,12 @@ def _torch_file_problem(path: Path) -> Optional[str]:
     import zipfile
 
     try:
-        with zipfile.ZipFile(path) as z:
-            members = z.infolist()
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError):
         return "is cut short (no zip central directory at its end)"
     size = path.stat().st_size
-    if not members or any(m.header_offset + m.compress_size > size for m in members):
+    if not members or any(member.header_offset + member.compress_size > size for member in members):
         return "is cut short (its members reach past its end)"
     return None
 
@@ -421,8 +421,8 @@ def resumable_checkpoint(
     stale = output_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != key)
     last = _last_complete_checkpoint(output_dir, model_only, extra_files) if output_dir.is_dir() and not stale else None
     if last:
-        s = json.loads((last / "trainer_state.json").read_text())
-        if 0 < int(s.get("max_steps") or 0) <= int(s.get("global_step") or 0):
+        state = json.loads((last / "trainer_state.json").read_text())
+        if 0 < int(state.get("max_steps") or 0) <= int(state.get("global_step") or 0):
             msg = "%s ends a finished run (max_steps reached): training from the start"
             logging.getLogger("agentrl").info(msg, last)
             stale, last = True, None
@@ -430,8 +430,8 @@ def resumable_checkpoint(
         shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_main_process():
-        with atomic_write(stamp) as f:  # a kill while writing it must not leave a stamp that matches nothing
-            f.write(key + "\n")
+        with atomic_write(stamp) as out:  # a kill while writing it must not leave a stamp that matches nothing
+            out.write(key + "\n")
     return str(last) if last else None
 
 
@@ -455,6 +455,6 @@ def configure_cpu_threads() -> int:
     from .reproducibility import fixed_threads
 
     # reproducibility.mode portable: its fixed count (the bytes depend on it), else the process's share of the cores
-    n = fixed_threads() or max(1, usable_cpus() // world_size())
-    torch.set_num_threads(n)
-    return n
+    threads = fixed_threads() or max(1, usable_cpus() // world_size())
+    torch.set_num_threads(threads)
+    return threads

@@ -55,17 +55,17 @@ class SyntheticParams(Strict):
 
     @field_validator("steps")
     @classmethod
-    def _steps(cls, v: dict[int, float]) -> dict[int, float]:
-        if not v:
+    def _steps(cls, steps: dict[int, float]) -> dict[int, float]:
+        if not steps:
             raise ValueError("needs at least one entry {number_of_steps: weight}")
-        for k, w in v.items():
-            if not 1 <= k <= 8:
-                raise ValueError(f"number of steps must be in 1..8, got {k}")
-            if not 0 <= w <= MAX_WEIGHT:
-                raise ValueError(f"weight for {k} steps must be in [0, {MAX_WEIGHT:g}], got {w}")
-        if sum(v.values()) <= 0:
+        for count, weight in steps.items():
+            if not 1 <= count <= 8:
+                raise ValueError(f"number of steps must be in 1..8, got {count}")
+            if not 0 <= weight <= MAX_WEIGHT:
+                raise ValueError(f"weight for {count} steps must be in [0, {MAX_WEIGHT:g}], got {weight}")
+        if sum(steps.values()) <= 0:
             raise ValueError("weights must sum to a positive number")
-        return v
+        return steps
 
     @model_validator(mode="after")
     def _range(self) -> "SyntheticParams":
@@ -139,18 +139,20 @@ _SIZE_UNITS = {"m": 1e6, "b": 1e9, "t": 1e12}
 MAX_SAFETENSORS_HEADER = 100 << 20  # a header claiming more is not a safetensors file
 
 
-def tiny_parameter_count(t: "TinyModelParams") -> int:
+def tiny_parameter_count(tiny: "TinyModelParams") -> int:
     """The parameters of modeling.build_tiny_model's Qwen3 (tied embeddings, no attention bias), from the params.
 
     Args:
-        t: the model.tiny section (vocab_size as asked; the trained tokenizer adds at most a few tokens).
+        tiny: the model.tiny section (vocab_size as asked; the trained tokenizer adds at most a few tokens).
 
     Returns:
-        The exact count for a vocabulary of t.vocab_size tokens.
+        The exact count for a vocabulary of tiny.vocab_size tokens.
     """
-    attention = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)  # q o, k v
-    per_layer = attention + 2 * t.head_dim + 3 * t.hidden_size * t.intermediate_size + 2 * t.hidden_size  # + norms
-    return t.vocab_size * t.hidden_size + t.num_hidden_layers * per_layer + t.hidden_size
+    attention = 2 * tiny.hidden_size * tiny.head_dim * (tiny.num_attention_heads + tiny.num_key_value_heads)  # q o, k v
+    per_layer = (
+        attention + 2 * tiny.head_dim + 3 * tiny.hidden_size * tiny.intermediate_size + 2 * tiny.hidden_size
+    )  # + norms
+    return tiny.vocab_size * tiny.hidden_size + tiny.num_hidden_layers * per_layer + tiny.hidden_size
 
 
 def _safetensors_parameters(path: Path) -> Optional[int]:
@@ -237,18 +239,18 @@ def check_model_fits(model: "ModelParams") -> None:
     if _allow_large_model():
         return
     if model.base_model == "tiny":
-        n = tiny_parameter_count(model.tiny)
-        need_with_gpu = need_cpu = n * TRAIN_BYTES_PER_PARAM
-        what = f"model.tiny: {n:,} parameters need ~{need_cpu / 1e9:,.1f} GB to train in fp32 with AdamW"
+        parameters = tiny_parameter_count(model.tiny)
+        need_with_gpu = need_cpu = parameters * TRAIN_BYTES_PER_PARAM
+        what = f"model.tiny: {parameters:,} parameters need ~{need_cpu / 1e9:,.1f} GB to train in fp32 with AdamW"
     else:
-        n, how = known_parameter_count(model.base_model)
-        if n is None:
+        parameters, how = known_parameter_count(model.base_model)
+        if parameters is None:
             return
         # precision auto: fp32 on a CPU, bf16 (2 bytes) on a GPU
         bytes_cpu, bytes_gpu = BYTES_PER_PARAM.get(model.precision, 4), BYTES_PER_PARAM.get(model.precision, 2)
-        need_cpu, need_with_gpu = n * bytes_cpu, n * bytes_gpu
+        need_cpu, need_with_gpu = parameters * bytes_cpu, parameters * bytes_gpu
         what = (
-            f"model.base_model: {model.base_model} has ~{n:,.0f} parameters ({how}), "
+            f"model.base_model: {model.base_model} has ~{parameters:,.0f} parameters ({how}), "
             f"~{need_cpu / 1e9:,.1f} GB of weights in {model.precision if model.precision != 'auto' else 'fp32'}"
         )
     ram = ram_bytes()
@@ -311,15 +313,18 @@ class GRPOParams(Strict):
 
     @field_validator("rewards")
     @classmethod
-    def _rewards(cls, v: dict[str, float]) -> dict[str, float]:
-        if not v:
+    def _rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        if not rewards:
             raise ValueError("needs at least one reward {name: weight}")
-        for name, w in v.items():  # checked by form, never imported here (rewards.get_reward names unknown ones)
+        for (
+            name,
+            weight,
+        ) in rewards.items():  # checked by form, never imported here (rewards.get_reward names unknown ones)
             if not re.fullmatch(r"[A-Za-z_]\w*", name) and not IMPORT_PATH.fullmatch(name):
                 raise ValueError(f"reward '{name}' is neither a registry name nor 'module:function'")
-            if abs(w) > MAX_WEIGHT:
-                raise ValueError(f"weight of '{name}' must be in [-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}], got {w!r}")
-        return v
+            if abs(weight) > MAX_WEIGHT:
+                raise ValueError(f"weight of '{name}' must be in [-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}], got {weight!r}")
+        return rewards
 
     @model_validator(mode="after")
     def _merged_rollouts(self) -> "GRPOParams":
@@ -371,13 +376,13 @@ class DistributedParams(Strict):
 
     @field_validator("accelerate_config")
     @classmethod
-    def _accelerate_config(cls, v: str) -> str:
-        if not ACCELERATE_CONFIG.fullmatch(v) or "/." in v:
+    def _accelerate_config(cls, value: str) -> str:
+        if not ACCELERATE_CONFIG.fullmatch(value) or "/." in value:
             raise ValueError(
                 "must be a .yaml file under configs/accelerate/ (letters, digits, '_', '-', '.'; no '..'), "
-                f"got {v[:200]!r}"
+                f"got {value[:200]!r}"
             )
-        return v
+        return value
 
 
 class ReproducibilityParams(Strict):
@@ -402,10 +407,10 @@ class AgentParams(Strict):
 
     @field_validator("environment_url")
     @classmethod
-    def _environment_url(cls, v: Optional[str]) -> Optional[str]:
-        if v is None or v == "serve" or re.fullmatch(r"(https?|wss?)://[^\s/]+(:\d+)?/?", v):
-            return v
-        raise ValueError(f"environment_url must be null, 'serve' or a URL like 'http://127.0.0.1:8000', got {v!r}")
+    def _environment_url(cls, value: Optional[str]) -> Optional[str]:
+        if value is None or value == "serve" or re.fullmatch(r"(https?|wss?)://[^\s/]+(:\d+)?/?", value):
+            return value
+        raise ValueError(f"environment_url must be null, 'serve' or a URL like 'http://127.0.0.1:8000', got {value!r}")
 
     @model_validator(mode="after")
     def _url_needs_environment(self) -> "AgentParams":
@@ -418,30 +423,30 @@ class AgentParams(Strict):
 
     @field_validator("environment")
     @classmethod
-    def _environment(cls, v: Optional[str]) -> Optional[str]:
+    def _environment(cls, value: Optional[str]) -> Optional[str]:
         from .envs.registry import ENVIRONMENTS
 
-        if v is None or v in ENVIRONMENTS:
-            return v
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):  # checked by form here, imported by the stage
+        if value is None or value in ENVIRONMENTS:
+            return value
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):  # checked by form here, imported by the stage
             raise ValueError(
-                f"unknown environment '{v}'; known: {', '.join(sorted(ENVIRONMENTS))} "
+                f"unknown environment '{value}'; known: {', '.join(sorted(ENVIRONMENTS))} "
                 "(or a custom one as 'module:Class')"
             )
-        return v
+        return value
 
     @field_validator("tools")
     @classmethod
-    def _tools(cls, v: list[str]) -> list[str]:
+    def _tools(cls, value: list[str]) -> list[str]:
         from .envs.registry import TOOLS
 
-        for name in v:  # checked by form, never imported here (validation runs no module's code); the stage imports
+        for name in value:  # checked by form, never imported here (validation runs no module's code); the stage imports
             if name not in TOOLS and not IMPORT_PATH.fullmatch(name):
                 known = ", ".join(sorted(TOOLS))
                 raise ValueError(f"unknown tool '{name}'; known: {known} (or a custom one as 'module:function')")
-        if len(set(v)) != len(v):
+        if len(set(value)) != len(value):
             raise ValueError("a tool is listed twice")
-        return v
+        return value
 
 
 class Params(Strict):
@@ -463,10 +468,10 @@ class Params(Strict):
 
     @field_validator("environments")
     @classmethod
-    def _environments(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def _environments(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         from .envs.registry import TASKS
 
-        for name, knobs in v.items():
+        for name, knobs in value.items():
             if name not in TASKS:
                 raise ValueError(f"unknown environment '{name}'; built-ins with knobs: {', '.join(sorted(TASKS))}")
             defaults = {"num_train": 1, "num_test": 1, **TASKS[name].GEN_DEFAULTS, **TASKS[name].ENV_DEFAULTS}
@@ -490,7 +495,7 @@ class Params(Strict):
                     raise ValueError(f"{name}.{k}: must be in 1..1000000, got {val}")
             if callable(check_knobs := getattr(TASKS[name], "check_knobs", None)):  # the module's own deeper checks
                 check_knobs(knobs or {})  # (envs/contract.py KnobCheckingTask): ValueError naming environments.<name>.*
-        return v
+        return value
 
     @model_validator(mode="after")
     def _agent(self) -> "Params":
@@ -672,9 +677,9 @@ def passthrough_errors(raw: dict) -> list[str]:
             ):
                 errors.append(f"{where}: must be at most {PASSTHROUGH_BOUNDS[key]:,} in size (got {value!r})")
         for key in ("learning_rate", "r"):  # zero trains nothing (lr) or fails deep inside PEFT (r); TRL/PEFT accept it
-            v = values.get(key)
-            if len(errors) == before and isinstance(v, (int, float)) and v <= 0:
-                errors.append(f"{path}.{key}: must be > 0 (got {v!r})")
+            setting = values.get(key)
+            if len(errors) == before and isinstance(setting, (int, float)) and setting <= 0:
+                errors.append(f"{path}.{key}: must be > 0 (got {setting!r})")
         if len(errors) == before and cls.__name__ == "LoraConfig":
             try:
                 build_passthrough(path, values)
@@ -706,8 +711,8 @@ def passthrough_value(path: str, values: dict, name: str) -> Any:
 
     if name in values:
         return values[name]
-    f = _init_fields(passthrough_class(path))[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    field = _init_fields(passthrough_class(path))[name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
 def _describe(err: dict[str, Any]) -> str:

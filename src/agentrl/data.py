@@ -202,11 +202,11 @@ def generate_synthetic(
     train = rows[:num_train]
     style = random.Random(seed + 1)
     for row in train:
-        r = style.random()
-        if r < direct_answer_rate:
+        draw = style.random()
+        if draw < direct_answer_rate:
             row["answer"] = "#### " + row["answer"].rsplit("####", 1)[1].strip()
             row["style"] = "direct"
-        elif r < direct_answer_rate + (1 - direct_answer_rate) * digit_steps_rate:
+        elif draw < direct_answer_rate + (1 - direct_answer_rate) * digit_steps_rate:
             row["answer"] = row["digits_answer"]
             row["style"] = "digits"
     for row in rows:
@@ -266,12 +266,12 @@ MAX_FIELD_CHARS = 100_000  # a row's question or answer, in characters (every so
 _SKIP_CHUNK = 1 << 20  # an oversized line's rest is read and discarded in pieces of this size
 
 
-def _bounded_lines(f, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+def _bounded_lines(stream, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """Each line of a binary file read with a bound: a line over `max_bytes` is skipped in bounded pieces, so no
     line is ever held whole in memory.
 
     Args:
-        f: a file opened in binary mode.
+        stream: a file opened in binary mode.
         max_bytes: the longest line returned, newline included.
 
     Returns:
@@ -279,7 +279,7 @@ def _bounded_lines(f, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """
     number = 0
     while True:
-        raw = f.readline(max_bytes + 1)
+        raw = stream.readline(max_bytes + 1)
         if not raw:
             return
         number += 1
@@ -287,7 +287,7 @@ def _bounded_lines(f, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
             yield number, raw
             continue
         while not raw.endswith(b"\n"):  # discard up to the end of the oversized line
-            raw = f.readline(_SKIP_CHUNK)
+            raw = stream.readline(_SKIP_CHUNK)
             if not raw:
                 break
         yield number, None
@@ -366,24 +366,24 @@ def parse_row(raw: RawRow, split: str, strip_annotations: bool) -> Example | Bad
     """One GSM8K row -> Example, or the reason it is unusable."""
     if isinstance(raw.data, BadRow):
         return raw.data
-    d = raw.data
-    if not isinstance(d, dict):
-        return BadRow(raw.source, raw.line, "not_an_object", type(d).__name__)
+    data = raw.data
+    if not isinstance(data, dict):
+        return BadRow(raw.source, raw.line, "not_an_object", type(data).__name__)
     for key in ("question", "answer"):
-        if key not in d:
+        if key not in data:
             return BadRow(raw.source, raw.line, "missing_field", key)
-        if not isinstance(d[key], str) or not d[key].strip():
+        if not isinstance(data[key], str) or not data[key].strip():
             return BadRow(raw.source, raw.line, "empty_value", key)
-        if len(d[key]) > MAX_FIELD_CHARS:
-            detail = f"{key} has {len(d[key]):,} characters; expected at most {MAX_FIELD_CHARS:,}"
+        if len(data[key]) > MAX_FIELD_CHARS:
+            detail = f"{key} has {len(data[key]):,} characters; expected at most {MAX_FIELD_CHARS:,}"
             return BadRow(raw.source, raw.line, "field_too_large", detail)
-        if not d[key].isascii():  # JSON's \ud800 escapes decode to lone surrogates, which no UTF-8 output can hold
+        if not data[key].isascii():  # JSON's \ud800 escapes decode to lone surrogates, which no UTF-8 output can hold
             try:
-                d[key].encode("utf-8")
-            except UnicodeEncodeError as e:
-                detail = f"{key} holds {d[key][e.start]!r} at character {e.start + 1}; expected UTF-8 text"
+                data[key].encode("utf-8")
+            except UnicodeEncodeError as error:
+                detail = f"{key} holds {data[key][error.start]!r} at character {error.start + 1}; expected UTF-8 text"
                 return BadRow(raw.source, raw.line, "invalid_text", detail)
-    question, answer = d["question"].strip(), d["answer"].strip()
+    question, answer = data["question"].strip(), data["answer"].strip()
     if "####" not in answer:
         return BadRow(raw.source, raw.line, "missing_final_answer", "answer has no '####'")
     reasoning, _, final_raw = answer.rpartition("####")
@@ -391,7 +391,7 @@ def parse_row(raw: RawRow, split: str, strip_annotations: bool) -> Example | Bad
     if final is None:
         return BadRow(raw.source, raw.line, "non_numeric_answer", final_raw.strip()[:40])
     reasoning = reasoning.strip()
-    steps = int(d["steps"]) if isinstance(d.get("steps"), int) else max(1, reasoning.count("<<"))
+    steps = int(data["steps"]) if isinstance(data.get("steps"), int) else max(1, reasoning.count("<<"))
     if strip_annotations:
         reasoning = strip_calculator_annotations(reasoning)
     return Example(stable_id(split, question), question, reasoning, final, answer, steps, raw.source, raw.line)
@@ -426,11 +426,11 @@ def normalized_questions(examples: Iterable[Example]) -> set[str]:
     return {" ".join(e.question.lower().split()) for e in examples}
 
 
-def seeded_subset(examples: list[Example], n: Optional[int], seed: int) -> list[Example]:
-    """A seeded random subset of n examples (all when n is None or >= len), original order kept."""
-    if n is None or n >= len(examples):
+def seeded_subset(examples: list[Example], count: Optional[int], seed: int) -> list[Example]:
+    """A seeded random subset of `count` examples (all when count is None or >= len), original order kept."""
+    if count is None or count >= len(examples):
         return list(examples)
-    keep = sorted(random.Random(seed).sample(range(len(examples)), n))
+    keep = sorted(random.Random(seed).sample(range(len(examples)), count))
     return [examples[i] for i in keep]
 
 
@@ -470,12 +470,12 @@ def test_record(ex: Example, system_prompt: str) -> dict:
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
     """Atomic write (common.atomic_write): a crash never leaves a half-written file in place of an earlier
     result. Returns the number of records written."""
-    n = 0
-    with atomic_write(path) as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            n += 1
-    return n
+    written = 0
+    with atomic_write(path) as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            written += 1
+    return written
 
 
 def load_jsonl(path: str | Path) -> list[dict]:

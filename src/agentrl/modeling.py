@@ -71,17 +71,17 @@ def wrap_tokenizer(tok) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, p: TinyModelParams, seed: int) -> Qwen3ForCausalLM:
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, tiny: TinyModelParams, seed: int) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        head_dim=p.head_dim,
-        max_position_embeddings=p.max_position_embeddings,
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        head_dim=tiny.head_dim,
+        max_position_embeddings=tiny.max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

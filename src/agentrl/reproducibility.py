@@ -179,14 +179,14 @@ def state() -> dict:
 def verify(mode: str) -> dict:
     """state(), and under `portable` a RuntimeError when torch or MKL do not run what it pins (they chose
     their kernels before apply(): torch computed before the stage loaded its params)."""
-    s = state()
+    current = state()
     if mode != "portable":
-        return s
+        return current
     wrong = []
-    if s["aten_cpu_capability"] != "AVX2":
-        wrong.append(f"ATen kernels {s['aten_cpu_capability']} (expected AVX2)")
-    if s["mkl_cbwr_branch"] not in (None, MKL_CBWR_COMPATIBLE):
-        wrong.append(f"MKL branch {s['mkl_cbwr_branch']} (expected {MKL_CBWR_COMPATIBLE}, COMPATIBLE)")
+    if current["aten_cpu_capability"] != "AVX2":
+        wrong.append(f"ATen kernels {current['aten_cpu_capability']} (expected AVX2)")
+    if current["mkl_cbwr_branch"] not in (None, MKL_CBWR_COMPATIBLE):
+        wrong.append(f"MKL branch {current['mkl_cbwr_branch']} (expected {MKL_CBWR_COMPATIBLE}, COMPATIBLE)")
     if wrong:
         raise RuntimeError(
             "reproducibility.mode portable is not in effect: "
@@ -194,4 +194,4 @@ def verify(mode: str) -> dict:
             + ". torch or MKL started computing before agentrl applied it: run the stage as its own process "
             "(python -m agentrl.stages.<stage>), or import agentrl before torch computes anything"
         )
-    return s
+    return current

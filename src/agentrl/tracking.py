@@ -113,15 +113,15 @@ def _probe(timeout: float) -> Optional[str]:
         return "no W&B API key (set WANDB_API_KEY or run `wandb login`)"
     url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/") + "/graphql"
     try:
-        r = httpx.post(url, json={"query": "query { viewer { id } }"}, auth=("api", key), timeout=timeout)
-    except Exception as e:  # network errors, bad URLs: all mean "not reachable"
-        return f"cannot reach {url}: {type(e).__name__}: {e}"
-    if r.status_code in (401, 403):
-        return f"the W&B server at {url} rejected the API key (HTTP {r.status_code})"
-    if r.status_code != 200:
-        return f"the W&B server at {url} answered HTTP {r.status_code}"
+        response = httpx.post(url, json={"query": "query { viewer { id } }"}, auth=("api", key), timeout=timeout)
+    except Exception as error:  # network errors, bad URLs: all mean "not reachable"
+        return f"cannot reach {url}: {type(error).__name__}: {error}"
+    if response.status_code in (401, 403):
+        return f"the W&B server at {url} rejected the API key (HTTP {response.status_code})"
+    if response.status_code != 200:
+        return f"the W&B server at {url} answered HTTP {response.status_code}"
     try:
-        viewer = (r.json().get("data") or {}).get("viewer")
+        viewer = (response.json().get("data") or {}).get("viewer")
     except ValueError:
         return f"the W&B server at {url} did not answer JSON"
     return None if viewer else f"the W&B server at {url} did not accept the API key"
@@ -263,19 +263,19 @@ def log_eval_to_wandb(params: Params, name: str, metrics: dict, predictions: lis
         return
     try:
         _log_eval(params, name, metrics, predictions, mode)
-    except Exception as e:  # the evaluation's own results are already written
+    except Exception as error:  # the evaluation's own results are already written
         if mode == "online":
-            _warn_offline(f"logging eval_{name} failed: {type(e).__name__}: {e}")
+            _warn_offline(f"logging eval_{name} failed: {type(error).__name__}: {error}")
             try:
                 _log_eval(params, name, metrics, predictions, "offline")
                 return
-            except Exception as e2:
-                e = e2
+            except Exception as offline_error:
+                error = offline_error
         log.warning(
             "W&B logging of eval_%s failed (%s: %s); metrics/eval_%s.json is written regardless",
             name,
-            type(e).__name__,
-            e,
+            type(error).__name__,
+            error,
             name,
         )
 

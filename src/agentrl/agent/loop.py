@@ -72,17 +72,17 @@ class _GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = self._len + key_states.shape[-2]
-        if self._k is None or n > self._k.shape[-2]:
-            cap = max(n, 2 * self._len)
-            k = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
-            v = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+        filled = self._len + key_states.shape[-2]
+        if self._k is None or filled > self._k.shape[-2]:
+            cap = max(filled, 2 * self._len)
+            keys = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+            values = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
             if self._len:
-                k[..., : self._len, :], v[..., : self._len, :] = self.keys, self.values
-            self._k, self._v = k, v
-        self._k[..., self._len : n, :] = key_states
-        self._v[..., self._len : n, :] = value_states
-        self._len = n
+                keys[..., : self._len, :], values[..., : self._len, :] = self.keys, self.values
+            self._k, self._v = keys, values
+        self._k[..., self._len : filled, :] = key_states
+        self._v[..., self._len : filled, :] = value_states
+        self._len = filled
         self._view()
         return self.keys, self.values
 
@@ -150,30 +150,31 @@ class _Stops(StoppingCriteria):
         self.share, self.hook = share, hook
         self.stop_at: dict[int, tuple[int, str]] = {}  # row -> (index of its last real new token, reason)
 
-    def _completion(self, r: int, input_ids: torch.LongTensor) -> list[int]:
-        """Row r's completion so far: the earlier segments' tokens, then this segment's."""
-        return self.prefixes[r] + input_ids[r, self.start :].tolist()
+    def _completion(self, row: int, input_ids: torch.LongTensor) -> list[int]:
+        """The row's completion so far: the earlier segments' tokens, then this segment's."""
+        return self.prefixes[row] + input_ids[row, self.start :].tolist()
 
-    def _reason(self, r: int, tok: int, n: int, input_ids: torch.LongTensor) -> Optional[str]:
+    def _reason(self, row: int, tok: int, generated: int, input_ids: torch.LongTensor) -> Optional[str]:
+        """Why the row stops after its latest token `tok` (`generated` tokens into this segment), or None."""
         if tok in self.eos:
             return "eos"
         if self.fmt is not None and tok in self.trigger_ids:
-            text = self.tokenizer.decode(self._completion(r, input_ids), skip_special_tokens=False)
+            text = self.tokenizer.decode(self._completion(row, input_ids), skip_special_tokens=False)
             if self.fmt.open_call(text) is not None:
                 return "call"
-        if n >= self.budgets[r]:
+        if generated >= self.budgets[row]:
             return "length"
-        if self.hook is not None and self.hook(*self.keys[r], self._completion(r, input_ids)):
+        if self.hook is not None and self.hook(*self.keys[row], self._completion(row, input_ids)):
             return "hook"
         return None
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        n = input_ids.shape[1] - self.start
+        generated = input_ids.shape[1] - self.start
         last = input_ids[:, -1].tolist()
-        for r, tok in enumerate(last):
-            reason = None if r in self.stop_at else self._reason(r, tok, n, input_ids)
+        for row, tok in enumerate(last):
+            reason = None if row in self.stop_at else self._reason(row, tok, generated, input_ids)
             if reason is not None:
-                self.stop_at[r] = (n - 1, reason)
+                self.stop_at[row] = (generated - 1, reason)
         stopped = torch.zeros(len(last), dtype=torch.bool, device=input_ids.device)
         if self.stop_at:
             stopped[list(self.stop_at)] = True
@@ -380,15 +381,15 @@ def _settle_rows(batch: _Batch, stops: _Stops, new: torch.Tensor, lp: Optional[l
     n_new = new.shape[1]
     new_mask = batch.mask.new_ones(len(batch.active), n_new)
     keep, inserts = [], []
-    for r, a in enumerate(batch.active):
-        roll = batch.rolls[a]
-        last, reason = stops.stop_at.get(r, (n_new - 1, "paused"))
-        toks = new[r, : last + 1].tolist()
-        new_mask[r, last + 1 :] = 0
-        _append(roll, toks, sampled=True, logprobs=lp[r][: len(toks)] if lp is not None else None)
-        ins = _next(roll, reason, batch.limits[a], tokenizer, toolset)
+    for row, rollout_index in enumerate(batch.active):
+        roll = batch.rolls[rollout_index]
+        last, reason = stops.stop_at.get(row, (n_new - 1, "paused"))
+        toks = new[row, : last + 1].tolist()
+        new_mask[row, last + 1 :] = 0
+        _append(roll, toks, sampled=True, logprobs=lp[row][: len(toks)] if lp is not None else None)
+        ins = _next(roll, reason, batch.limits[rollout_index], tokenizer, toolset)
         if ins is not None:
-            keep.append(r)
+            keep.append(row)
             inserts.append(ins)
     return keep, inserts, new_mask
 
@@ -401,11 +402,11 @@ def _extend(batch: _Batch, seqs: torch.Tensor, new_mask: torch.Tensor, keep: lis
     if width:
         # Every row's latest token must sit in the last column (generate continues from there). A row
         # without a tool result moves its latest token (sampled, not yet in the cache) to the end.
-        for j, r in enumerate(keep):
+        for j, row in enumerate(keep):
             if not inserts[j]:
-                inserts[j] = [int(seqs[r, -1])]
-                new_mask[r, -1] = 0
-                seqs[r, -1] = pad  # what logits processors see in the gap, as in left padding
+                inserts[j] = [int(seqs[row, -1])]
+                new_mask[row, -1] = 0
+                seqs[row, -1] = pad  # what logits processors see in the gap, as in left padding
     block = torch.full((len(keep), width), pad, dtype=ids.dtype, device=device)
     block_mask = torch.zeros((len(keep), width), dtype=batch.mask.dtype, device=device)
     for j, ins in enumerate(inserts):
@@ -452,6 +453,29 @@ def generate_with_tools(
     (finish_reason 'stop'). `rows` (one dataset row per prompt) reset each completion's own environment
     instance (`toolset.episode(row)`): two completions never share state. An observation that `reset`
     returns is appended to the prompt's last message, each sample's own, as TRL's environment_factory loop does.
+    Long because the Args: below document each of its generation knobs; the body is some 50 lines.
+
+    Args:
+        model: the policy (a transformers causal LM).
+        tokenizer: its tokenizer (set to left padding here).
+        prompts: chat message lists, rendered strings or token id lists.
+        toolset: the tools and call format, or None for plain generation.
+        max_new_tokens: the completion budget, tool tokens included: one int, or one per prompt.
+        batch_size: prompts per generate call.
+        temperature: sampling temperature; 0 is greedy.
+        top_p: nucleus sampling.
+        top_k: top-k sampling (0: off).
+        num_samples: completions per prompt.
+        seed: torch's seed before sampling (None: left as it is).
+        desc: a progress-bar label (None: no bar).
+        chat_template_kwargs: extra arguments of apply_chat_template (e.g. the chat format's tools).
+        return_logprobs: record each sampled token's log-probability.
+        row_hook: called after every sampled token of a row; True ends the row.
+        rows: one dataset row per prompt, to reset each completion's environment.
+        **generate_kwargs: passed on to model.generate (e.g. min_p, repetition_penalty).
+
+    Returns:
+        `num_samples` Rollouts per prompt, in input order.
     """
     tokenizer.padding_side = "left"
     if rows is not None and len(rows) != len(prompts):
@@ -502,7 +526,18 @@ def tokenize_trace(
     tokenizer, prompt, segments: list[tuple[str, bool]], eos: bool = True, chat_template_kwargs: Optional[dict] = None
 ) -> dict:
     """Token ids of a prompt and a completion given as (text, is_model_text) segments, tokenized segment by
-    segment exactly as `generate_with_tools` produces them: {prompt_ids, completion_ids, env_mask}."""
+    segment exactly as `generate_with_tools` produces them: {prompt_ids, completion_ids, env_mask}.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        prompt: the prompt: a rendered string or chat messages.
+        segments: the completion as (text, is_model_text) pieces.
+        eos: end the completion with the eos token.
+        chat_template_kwargs: extra arguments of apply_chat_template.
+
+    Returns:
+        {prompt_ids, completion_ids, env_mask}, env_mask 1 on the model's tokens and 0 on tool tokens.
+    """
     text = (
         prompt
         if isinstance(prompt, str)
@@ -523,13 +558,20 @@ def tokenize_trace(
 
 
 def tool_stats(rollouts: list[Rollout]) -> dict:
-    """Share of completions with >= 1 call, calls per completion, share of calls that failed."""
-    n = len(rollouts)
+    """Share of completions with >= 1 call, calls per completion, share of calls that failed.
+
+    Args:
+        rollouts: one Rollout per completion.
+
+    Returns:
+        {tool_use_rate, tool_calls_per_problem, tool_error_rate}; zeros for no rollouts or no calls.
+    """
+    count = len(rollouts)
     calls = sum(len(r.calls) for r in rollouts)
     errors = sum(r.tool_errors for r in rollouts)
     return {
-        "tool_use_rate": sum(bool(r.calls) for r in rollouts) / n if n else 0.0,
-        "tool_calls_per_problem": calls / n if n else 0.0,
+        "tool_use_rate": sum(bool(r.calls) for r in rollouts) / count if count else 0.0,
+        "tool_calls_per_problem": calls / count if count else 0.0,
         "tool_error_rate": errors / calls if calls else 0.0,
     }
 
@@ -539,7 +581,18 @@ def sft_features(tokenizer, prompt, completion: str, toolset: Optional[Toolset],
     every tool-inserted token have mask 0 (labels -100: the policy is not trained to write tool results).
     `toolset` None (agent.tools empty) keeps the completion as plain text. For an environment other than the
     calculator, the demonstration's calls are replayed in a fresh episode reset with `row`, so the results
-    the policy reads in training are exactly what the environment answers."""
+    the policy reads in training are exactly what the environment answers.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        prompt: the prompt (chat messages or a rendered string).
+        completion: the demonstration, with `<<expr=result>>` annotations where it calls a tool.
+        toolset: the tools and call format, or None (the text is all model text).
+        row: the dataset row, to replay the annotations in its environment's episode.
+
+    Returns:
+        {input_ids, completion_mask, tool_calls}: the ids, the mask of the tokens trained on, the number of calls.
+    """
     if toolset is None:
         segments, kw = [(completion, True)], {}
     else:
@@ -548,9 +601,9 @@ def sft_features(tokenizer, prompt, completion: str, toolset: Optional[Toolset],
             prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + episode.observation}]
         segments = split_annotated(completion, toolset.format.name, tokenizer.eos_token, episode)
         kw = toolset.chat_template_kwargs()
-    t = tokenize_trace(tokenizer, prompt, segments, chat_template_kwargs=kw)
+    trace = tokenize_trace(tokenizer, prompt, segments, chat_template_kwargs=kw)
     return {
-        "input_ids": t["prompt_ids"] + t["completion_ids"],
-        "completion_mask": [0] * len(t["prompt_ids"]) + t["env_mask"],
+        "input_ids": trace["prompt_ids"] + trace["completion_ids"],
+        "completion_mask": [0] * len(trace["prompt_ids"]) + trace["env_mask"],
         "tool_calls": sum(not model_text for _, model_text in segments),  # sft.check_calls; not a training column
     }

@@ -50,7 +50,14 @@ REGISTRY = TOOLS  # the built-in tools by name (envs/registry.py, where the para
 
 
 def get_tool(name: str) -> Callable[..., str]:
-    """A tool by registry name or `module:function` import path."""
+    """A tool by registry name or `module:function` import path.
+
+    Args:
+        name: a registry name (`calculator`) or `module:function`.
+
+    Returns:
+        The tool function. ValueError naming an unknown or uncallable tool.
+    """
     if name in REGISTRY:
         return REGISTRY[name]
     if ":" in name:
@@ -122,10 +129,10 @@ class ChatFormat:
     def open_calls(self, text: str, at_eos: bool = False) -> list[Call]:
         """Every call of the assistant turn that just ended: Qwen3 writes parallel calls as consecutive
         `<tool_call>` blocks, and TRL's loop runs them all, in order (their results come back in one user turn)."""
-        t = text.rstrip()
-        if not at_eos or not t.endswith("</tool_call>"):
+        stripped = text.rstrip()
+        if not at_eos or not stripped.endswith("</tool_call>"):
             return []
-        turn = t.rpartition("<|im_start|>assistant\n")[2]
+        turn = stripped.rpartition("<|im_start|>assistant\n")[2]
         return [self._parse(body.strip()) for body in re.findall(r"<tool_call>(.*?)</tool_call>", turn, flags=re.S)]
 
     @staticmethod
@@ -137,8 +144,8 @@ class ChatFormat:
                 arguments = json.loads(arguments)
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise TypeError("name must be a string and arguments an object")
-        except (ValueError, KeyError, TypeError) as e:
-            return Call("<invalid>", {"error": f"invalid tool call: {e}"})
+        except (ValueError, KeyError, TypeError) as error:
+            return Call("<invalid>", {"error": f"invalid tool call: {error}"})
         return Call(name, arguments)
 
     def render_result(self, result: str) -> str:
@@ -162,7 +169,14 @@ class ChatFormat:
 
 def functions_environment(names: list[str]) -> type:
     """`agent.tools` (plain functions) as one stateless environment class: the calculator's is `Calculator`;
-    custom functions become static methods of a generated class (TRL's loop sees the same tools)."""
+    custom functions become static methods of a generated class (TRL's loop sees the same tools).
+
+    Args:
+        names: agent.tools: registry names or `module:function` paths.
+
+    Returns:
+        The environment class whose methods are the tools.
+    """
     if list(names) == ["calculator"]:
         return Calculator
     tools = {n.rpartition(":")[2]: get_tool(n) for n in names}
@@ -219,8 +233,8 @@ class Episode:
             self.env = factory()
             obs = _run_with_timeout(self.env.reset, dict(row or {}), toolset.timeout_s)  # a hung reset is an error too
             self.observation = None if obs is None else str(obs)
-        except Exception as e:  # noqa: BLE001 - an environment's failure is data, never a crash
-            self.env, self.broken = None, f"environment reset failed: {type(e).__name__}: {str(e)[:80]}"
+        except Exception as error:  # noqa: BLE001 - an environment's failure is data, never a crash
+            self.env, self.broken = None, f"environment reset failed: {type(error).__name__}: {str(error)[:80]}"
         self.tools = environment_tools(self.env) if self.env is not None else {}
         # the inline format's one tool: a mixture member's own (members may differ), else the toolset's
         self.default_tool = next(iter(self.tools), "") if toolset.members else toolset.default_tool
@@ -239,16 +253,16 @@ class Episode:
         if not call.name and "expression" in args:  # inline: the one string argument of the default tool
             param = _first_param(fn) or "expression"
             args = {param: args.pop("expression")}
-        for v in args.values():
-            if isinstance(v, str) and len(v) > ts.max_expression_chars:
+        for value in args.values():
+            if isinstance(value, str) and len(value) > ts.max_expression_chars:
                 return f"error: argument longer than {ts.max_expression_chars} characters", False
         try:
             out = _run_with_timeout(fn, args, ts.timeout_s)
-        except TimeoutError as e:
-            self.broken = f"tool '{name}' timed out ({e}); the episode's environment is abandoned"
+        except TimeoutError as error:
+            self.broken = f"tool '{name}' timed out ({error}); the episode's environment is abandoned"
             return f"error: {self.broken}", False
-        except Exception as e:  # noqa: BLE001 - a tool's failure is data for the policy, not a crash
-            msg = str(e) if isinstance(e, ToolError) else f"{type(e).__name__}: {e}"
+        except Exception as error:  # noqa: BLE001 - a tool's failure is data for the policy, not a crash
+            msg = str(error) if isinstance(error, ToolError) else f"{type(error).__name__}: {error}"
             return f"error: {msg[:120]}", False
         text = out if isinstance(out, str) else json.dumps(out, default=str)[: ts.max_result_chars]
         text = text[: ts.max_result_chars]
@@ -309,10 +323,25 @@ class Toolset:
         self._stateless = None if self.members else Episode(self)  # for callers without rows (the server, `run`)
 
     def factory_for(self, row: Optional[dict]):
-        """The factory of the environment a row's episode runs: a mixture member's (the row's `environment`)."""
+        """The factory of the environment a row's episode runs: a mixture member's (the row's `environment`).
+
+        Args:
+            row: the dataset row (None: no mixture).
+
+        Returns:
+            A zero-argument callable that builds the environment.
+        """
         return mixture.member_factory(self.members, row) if self.members else self.factory
 
     def episode(self, row: Optional[dict] = None) -> Episode:
+        """A fresh episode of this toolset's environment, reset with `row`.
+
+        Args:
+            row: the dataset row the environment is reset with (None: an empty reset).
+
+        Returns:
+            The Episode.
+        """
         return Episode(self, row)
 
     def chat_template_kwargs(self) -> dict:
@@ -321,7 +350,14 @@ class Toolset:
         return {"tools": list(self.tools.values())} if self.format.name == "chat" else {}
 
     def run(self, call: Call) -> tuple[str, bool]:
-        """A call in a row-less episode shared by all callers (stateless tools: the calculator)."""
+        """A call in a row-less episode shared by all callers (stateless tools: the calculator).
+
+        Args:
+            call: the parsed call.
+
+        Returns:
+            (result text, ok).
+        """
         if self._stateless is None:
             raise ValueError("agent.environment 'mixture': an episode needs its row's 'environment' (use episode(row))")
         return self._stateless.run(call)
@@ -329,7 +365,16 @@ class Toolset:
 
 def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Optional[dict] = None) -> Optional[Toolset]:
     """The Toolset that `agent.*` params describe, or None when there is no tool and no environment.
-    `env_params` (params.environments) gives a built-in environment its runtime knobs."""
+    `env_params` (params.environments) gives a built-in environment its runtime knobs.
+
+    Args:
+        agent: the agent params section.
+        eos_token: the tokenizer's end-of-turn token (the chat format ends a call's turn with it).
+        env_params: params.environments: each built-in environment's knobs.
+
+    Returns:
+        The Toolset, or None.
+    """
     environment = agent.environment
     if not agent.tools and not environment:
         return None
@@ -372,27 +417,37 @@ def split_annotated(
     policy writes that step itself). With `episode` (an environment's demonstration, one fresh episode
     reset with the row) every annotation is a call of the environment's tool, replayed in order, and the
     result is what the environment answers at that point. For the chat format each call becomes a
-    `<tool_call>` that ends the turn and a `<tool_response>` turn."""
+    `<tool_call>` that ends the turn and a `<tool_response>` turn.
+
+    Args:
+        text: a demonstration with `<<expr=result>>` annotations.
+        fmt: the call format, inline or chat.
+        eos_token: the end-of-turn token (chat format).
+        episode: an environment's episode reset with the row, or None for the calculator.
+
+    Returns:
+        (text, is_model_text) segments: model text, tool results.
+    """
     segments: list[tuple[str, bool]] = []
     pos = 0
-    f = InlineFormat() if fmt == "inline" else ChatFormat(eos_token)
+    call_format = InlineFormat() if fmt == "inline" else ChatFormat(eos_token)
     end_turn = eos_token if fmt == "chat" else ""
     pending = ""
-    for m in _ANNOTATION.finditer(text):
+    for match in _ANNOTATION.finditer(text):
         if episode is None:
-            result, ok = call_tool(calculator, m.group(1))
-            call = Call("calculator", {"expression": m.group(1)})
+            result, ok = call_tool(calculator, match.group(1))
+            call = Call("calculator", {"expression": match.group(1)})
         else:
-            result, ok = episode.run(Call("", {"expression": m.group(1)}))
+            result, ok = episode.run(Call("", {"expression": match.group(1)}))
             name = episode.default_tool
             param = _first_param(episode.tools.get(name)) if episode.tools.get(name) else None
-            call, ok = Call(name, {param or "expression": m.group(1)}), True
+            call, ok = Call(name, {param or "expression": match.group(1)}), True
         if not ok:  # an annotation the calculator cannot evaluate: the policy writes that step itself
-            pending += text[pos : m.start()]
-            pos = m.end()
+            pending += text[pos : match.start()]
+            pos = match.end()
             continue
-        segments.append((pending + text[pos : m.start()] + f.render_call(call) + end_turn, True))
-        segments.append((f.render_result(result), False))
-        pending, pos = "", m.end()
+        segments.append((pending + text[pos : match.start()] + call_format.render_call(call) + end_turn, True))
+        segments.append((call_format.render_result(result), False))
+        pending, pos = "", match.end()
     segments.append((pending + text[pos:], True))
     return segments

@@ -39,10 +39,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import yaml
-
 from .. import config
 from ..experiments import overrides as overrides_mod
+from ..experiments.queue import dvc_stages as stages
 from .checks import APIError, check_experiment_name, check_known, read_params, require, too_large, validate_overrides
 
 Progress = Optional[Callable[[float, Optional[float], str], None]]
@@ -66,10 +65,10 @@ TAIL_CHARS = 3000
 
 # ------------------------------------------------------------------------------------------ helpers
 def _root(root: Optional[str | Path]) -> Path:
-    r = Path(root or os.environ.get("AGENTRL_REPO") or ".").resolve()
-    if not (r / "dvc.yaml").exists() or not (r / "params.yaml").exists():
-        raise APIError("not_a_pipeline_repo", f"{r} has no dvc.yaml and params.yaml", key="root")
-    return r
+    repo = Path(root or os.environ.get("AGENTRL_REPO") or ".").resolve()
+    if not (repo / "dvc.yaml").exists() or not (repo / "params.yaml").exists():
+        raise APIError("not_a_pipeline_repo", f"{repo} has no dvc.yaml and params.yaml", key="root")
+    return repo
 
 
 def _env() -> dict:
@@ -83,36 +82,21 @@ def _env() -> dict:
 
 
 def _state_dir(root: Path) -> Path:
-    d = root / STATE_DIR
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    state = root / STATE_DIR
+    state.mkdir(parents=True, exist_ok=True)
+    return state
 
 
 def _dvc(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(["dvc", *args], cwd=root, env=_env(), capture_output=True, text=True)
-    if check and r.returncode:
+    result = subprocess.run(["dvc", *args], cwd=root, env=_env(), capture_output=True, text=True)
+    if check and result.returncode:
         raise APIError(
             "dvc_failed",
-            f"dvc {' '.join(args)} exited {r.returncode}: {(r.stderr or r.stdout)[-TAIL_CHARS:].strip()}",
+            f"dvc {' '.join(args)} exited {result.returncode}: "
+            f"{(result.stderr or result.stdout)[-TAIL_CHARS:].strip()}",
             key=None,
         )
-    return r
-
-
-def stages(root: Path) -> list[dict]:
-    spec = yaml.safe_load((root / "dvc.yaml").read_text()) or {}
-    out = []
-    for name, s in (spec.get("stages") or {}).items():
-        out.append(
-            {
-                "name": name,
-                "cmd": s.get("cmd"),
-                "params": s.get("params") or [],
-                "outs": [o if isinstance(o, str) else next(iter(o)) for o in s.get("outs") or []],
-                "metrics": [m if isinstance(m, str) else next(iter(m)) for m in s.get("metrics") or []],
-            }
-        )
-    return out
+    return result
 
 
 def _metrics_files(root: Path) -> list[str]:
@@ -128,17 +112,17 @@ def _read_metrics(root: Path, rev: Optional[str], diagnostics: bool = False) -> 
         files = _metrics_files(root)
     out: dict = {}
     if rev is None:
-        for f in files:
-            p = root / f
-            if p.exists():
-                out[f] = json.loads(p.read_text())
+        for file in files:
+            path = root / file
+            if path.exists():
+                out[file] = json.loads(path.read_text())
         return out
     from dvc.api import DVCFileSystem
 
     fs = DVCFileSystem(str(root), rev=rev)
-    for f in files:
+    for file in files:
         try:
-            out[f] = json.loads(fs.read_text(f))
+            out[file] = json.loads(fs.read_text(file))
         except FileNotFoundError:
             continue
     return out
@@ -146,16 +130,16 @@ def _read_metrics(root: Path, rev: Optional[str], diagnostics: bool = False) -> 
 
 def _summary(metrics: dict) -> dict:
     """The headline numbers: accuracy of every evaluated model, the paired test, training loss/reward."""
-    s = {}
-    for f, m in metrics.items():
-        stem = Path(f).stem
-        if stem.startswith("eval_") and "accuracy" in m:
-            s[f"{stem[5:]}_accuracy"] = m["accuracy"]
+    summary = {}
+    for file, values in metrics.items():
+        stem = Path(file).stem
+        if stem.startswith("eval_") and "accuracy" in values:
+            summary[f"{stem[5:]}_accuracy"] = values["accuracy"]
         if stem == "compare":
             for k in ("grpo_minus_sft", "p_value", "ci95"):
-                if k in m:
-                    s[f"compare.{k}"] = m[k]
-    return s
+                if k in values:
+                    summary[f"compare.{k}"] = values[k]
+    return summary
 
 
 def _resolve(root: Path, name: str, key: str) -> Optional[str]:
@@ -277,14 +261,14 @@ class _Run:
             self.progress(float(self.info["stages_done"]), float(self.total), message)
 
     def line(self, line: str) -> None:
-        m = re.match(r"Running stage '([^']+)'", line) or re.match(r"Stage '([^']+)' didn't change", line)
-        if m:
+        match = re.match(r"Running stage '([^']+)'", line) or re.match(r"Stage '([^']+)' didn't change", line)
+        if match:
             if self.info["stage"] is not None:
                 self.info["stages_done"] += 1
             verb = "running" if line.startswith("Running") else "unchanged"
             self.update(
-                f"stage {m.group(1)} ({verb}, {self.info['stages_done'] + 1}/{self.total})",
-                stage=m.group(1),
+                f"stage {match.group(1)} ({verb}, {self.info['stages_done'] + 1}/{self.total})",
+                stage=match.group(1),
                 state="running",
             )
 
@@ -334,13 +318,13 @@ def _stream(root: Path, cmd: list[str], run: _Run) -> tuple[int, str]:
 
 
 def _failed_stage(output: str) -> Optional[str]:
-    m = re.findall(r"failed to reproduce '([^']+)'", output) or re.findall(r"Running stage '([^']+)'", output)
-    return m[-1] if m else None
+    stages = re.findall(r"failed to reproduce '([^']+)'", output) or re.findall(r"Running stage '([^']+)'", output)
+    return stages[-1] if stages else None
 
 
 def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Progress = None) -> dict:
     check_known(args, ARGUMENTS["run_experiment"])
-    r = _root(root)
+    repo = _root(root)
     overrides = require(args, "overrides", dict, {}, 'an object {"dotted.key": value}')
     mode = require(args, "mode", str, "temp")
     if mode not in MODES:
@@ -351,9 +335,9 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
         name = f"agent-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     else:
         check_experiment_name(name)
-    params, set_args, _ = validate_overrides(r, overrides)
+    params, set_args, _ = validate_overrides(repo, overrides)
     set_args = [x for arg in set_args for x in ("-S", arg)]  # each one `dvc exp run -S <arg>`
-    taken = _git_revision(r, name)
+    taken = _git_revision(repo, name)
     if taken:
         raise APIError(
             "invalid_value",
@@ -361,21 +345,21 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
             "an experiment of that name would be read back as that commit: choose another name",
             key="name",
         )
-    if name in experiment_names(r) or _run_in_progress(r, name):
+    if name in experiment_names(repo) or _run_in_progress(repo, name):
         raise APIError(
             "name_conflict",
             f"an experiment named '{name}' already exists for this baseline; choose another name",
             key="name",
         )
-    run = _Run(r, name, mode, overrides, progress)
+    run = _Run(repo, name, mode, overrides, progress)
     try:
-        with _lock(r, run):
-            if name in experiment_names(r):  # named by a run that held the lock before us
+        with _lock(repo, run):
+            if name in experiment_names(repo):  # named by a run that held the lock before us
                 raise APIError("name_conflict", f"an experiment named '{name}' already exists", key="name")
             if mode == "queue":
-                _dvc(r, "exp", "run", "--queue", "-n", name, *set_args)
+                _dvc(repo, "exp", "run", "--queue", "-n", name, *set_args)
                 if start_queue:
-                    _dvc(r, "queue", "start", "-j", "1")
+                    _dvc(repo, "queue", "start", "-j", "1")
                 run.update("queued", state="queued")
                 return {
                     "name": name,
@@ -386,7 +370,7 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
                 }
             run.update("starting dvc exp run --temp", state="running")
             t0 = time.time()
-            code, out = _stream(r, ["dvc", "exp", "run", "--temp", "-n", name, *set_args], run)
+            code, out = _stream(repo, ["dvc", "exp", "run", "--temp", "-n", name, *set_args], run)
             if code:
                 raise APIError(
                     "run_failed",
@@ -395,14 +379,14 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
                     stage=_failed_stage(out),
                     name=name,
                 )
-            rev = _experiment_rev(r, name)
-            _check_params_reached(r, rev, params, name)
+            rev = _experiment_rev(repo, name)
+            _check_params_reached(repo, rev, params, name)
             applied = False
             if mode == "workspace":
                 run.update("applying the experiment to the workspace (dvc exp apply)")
-                _dvc(r, "exp", "apply", name)
+                _dvc(repo, "exp", "apply", name)
                 applied = True
-            metrics = _read_metrics(r, rev)
+            metrics = _read_metrics(repo, rev)
             run.update("done", state="done", stages_done=run.total)
             return {
                 "name": name,
@@ -413,7 +397,7 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
                 "seconds": round(time.time() - t0, 1),
                 "summary": _summary(metrics),
                 "metrics": metrics,
-                "diagnostics": _read_metrics(r, rev, diagnostics=True),
+                "diagnostics": _read_metrics(repo, rev, diagnostics=True),
             }
     finally:
         run.close()
@@ -421,9 +405,9 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
 
 def _run_in_progress(root: Path, name: str) -> bool:
     """A live run of this API holds the name (the progress file of a killed process does not)."""
-    f = _state_dir(root) / "runs" / f"{name}.json"
+    progress_file = _state_dir(root) / "runs" / f"{name}.json"
     try:
-        return _pid_alive(json.loads(f.read_text()).get("pid"))
+        return _pid_alive(json.loads(progress_file.read_text()).get("pid"))
     except (OSError, ValueError):
         return False
 
@@ -456,13 +440,13 @@ def _check_params_reached(root: Path, rev: Optional[str], params: dict, name: st
 # --------------------------------------------------------------------------------------- reading
 def describe(args: dict, root: Optional[str | Path] = None) -> dict:
     check_known(args, ARGUMENTS["describe"])
-    r = _root(root)
-    params = read_params(r)
+    repo = _root(root)
+    params = read_params(repo)
     return {
         "params_schema": config.Params.model_json_schema(),
         "params": params,
-        "stages": stages(r),
-        "metrics": _read_metrics(r, None),
+        "stages": stages(repo),
+        "metrics": _read_metrics(repo, None),
         "actions": sorted(ACTIONS),
         "override_syntax": {"overrides": {"seed": 7, "eval.batch_size": 16}},
     }
@@ -470,21 +454,21 @@ def describe(args: dict, root: Optional[str | Path] = None) -> dict:
 
 def list_experiments(args: dict, root: Optional[str | Path] = None) -> dict:
     check_known(args, ARGUMENTS["list_experiments"])
-    r = _root(root)
+    repo = _root(root)
     import dvc.api
 
     num = -1 if require(args, "all_commits", bool, False) else 1
-    rows = dvc.api.exp_show(repo=str(r), num=num)
+    rows = dvc.api.exp_show(repo=str(repo), num=num)
     return {"experiments": [_clean(row) for row in rows]}
 
 
 def _clean(row: dict) -> dict:
     """exp_show rows: DVC writes '!' for a missing value and NaN for an absent one; JSON wants null."""
     out = {}
-    for k, v in row.items():
-        if v == "!" or (isinstance(v, float) and v != v):
-            v = None
-        out[k] = v
+    for k, value in row.items():
+        if value == "!" or (isinstance(value, float) and value != value):
+            value = None
+        out[k] = value
     return out
 
 
@@ -514,25 +498,25 @@ def compare(args: dict, root: Optional[str | Path] = None) -> dict:
     from ..stages.compare import paired_test
 
     check_known(args, ARGUMENTS["compare"])
-    r = _root(root)
-    a = require(args, "a", str, what="an experiment name, a git revision or 'workspace'")
-    b = require(args, "b", str, what="an experiment name, a git revision or 'workspace'")
+    repo = _root(root)
+    name_a = require(args, "a", str, what="an experiment name, a git revision or 'workspace'")
+    name_b = require(args, "b", str, what="an experiment name, a git revision or 'workspace'")
     stage = require(args, "stage", str, "grpo")
     if stage not in EVAL_STAGES:
         raise APIError("invalid_value", f"'stage' must be one of {list(EVAL_STAGES)}, got '{stage}'", key="stage")
-    ra, rb = _resolve(r, a, "a"), _resolve(r, b, "b")
-    ma, mb = _read_metrics(r, ra), _read_metrics(r, rb)
+    ra, rb = _resolve(repo, name_a, "a"), _resolve(repo, name_b, "b")
+    ma, mb = _read_metrics(repo, ra), _read_metrics(repo, rb)
     sa, sb = _summary(ma), _summary(mb)
     out: dict = {
-        "a": {"name": a, "rev": ra, "summary": sa},
-        "b": {"name": b, "rev": rb, "summary": sb},
+        "a": {"name": name_a, "rev": ra, "summary": sa},
+        "b": {"name": name_b, "rev": rb, "summary": sb},
         "difference": {k: sb[k] - sa[k] for k in sa if k.endswith("_accuracy") and k in sb},
         "stage": stage,
     }
-    (ca, why_a), (cb, why_b) = _correctness(r, ra, stage), _correctness(r, rb, stage)
+    (ca, why_a), (cb, why_b) = _correctness(repo, ra, stage), _correctness(repo, rb, stage)
     if ca is None or cb is None:
         out["paired_test"] = None
-        out["paired_test_reason"] = "; ".join(f"{why} in {n!r}" for n, why in ((a, why_a), (b, why_b)) if why)
+        out["paired_test_reason"] = "; ".join(f"{why} in {n!r}" for n, why in ((name_a, why_a), (name_b, why_b)) if why)
     elif set(ca) != set(cb):
         out["paired_test"] = None
         out["paired_test_reason"] = (
@@ -540,8 +524,8 @@ def compare(args: dict, root: Optional[str | Path] = None) -> dict:
             f"{len(set(ca) & set(cb))} in common): no paired test"
         )
     else:
-        seed = read_params(r).get("seed", 0)
-        out["paired_test"] = {**paired_test(ca, cb, seed), "before": a, "after": b}
+        seed = read_params(repo).get("seed", 0)
+        out["paired_test"] = {**paired_test(ca, cb, seed), "before": name_a, "after": name_b}
     return out
 
 
@@ -549,25 +533,25 @@ def evaluate(args: dict, root: Optional[str | Path] = None, progress: Progress =
     """Evaluate `stage`'s model of `experiment` on the first `n` held-out problems of that experiment, in a
     scratch copy (its params.yaml, test set and models) so that nothing of the workspace is written."""
     check_known(args, ARGUMENTS["evaluate"])
-    r = _root(root)
+    repo = _root(root)
     exp = require(args, "experiment", str, "workspace")
     stage = require(args, "stage", str, "grpo")
     if stage not in EVAL_STAGES:
         raise APIError("invalid_value", f"'stage' must be one of {list(EVAL_STAGES)}, got '{stage}'", key="stage")
-    n = require(args, "n", int, 50)
-    if n < 1:
-        raise APIError("out_of_range", f"'n' must be >= 1, got {n}", key="n")
-    rev = _resolve(r, exp, "experiment")
+    problems = require(args, "n", int, 50)
+    if problems < 1:
+        raise APIError("out_of_range", f"'n' must be >= 1, got {problems}", key="n")
+    rev = _resolve(repo, exp, "experiment")
     needed = ["params.yaml", "data/prepared/test.jsonl"] + [f"models/{m}" for m in MODEL_CHAINS[stage]]
-    scratch = Path(tempfile.mkdtemp(prefix="eval-", dir=_state_dir(r)))
+    scratch = Path(tempfile.mkdtemp(prefix="eval-", dir=_state_dir(repo)))
     try:
         if progress:
             progress(0.0, 2.0, f"fetching {stage} model of {exp}")
-        _fetch(r, rev, needed, scratch, exp)
+        _fetch(repo, rev, needed, scratch, exp)
         if progress:
-            progress(1.0, 2.0, f"evaluating {stage} of {exp} on {n} problems")
+            progress(1.0, 2.0, f"evaluating {stage} of {exp} on {problems} problems")
         proc = subprocess.run(
-            [sys.executable, "-m", "agentrl.api.actions", "_eval_worker", json.dumps({"stage": stage, "n": n})],
+            [sys.executable, "-m", "agentrl.api.actions", "_eval_worker", json.dumps({"stage": stage, "n": problems})],
             cwd=scratch,
             env=_env(),
             capture_output=True,
@@ -589,25 +573,25 @@ def _fetch(root: Path, rev: Optional[str], paths: list[str], dst: Path, exp: str
     """Copy paths of the workspace (rev None) or of an experiment (from git and the DVC cache) into dst."""
     missing = []
     if rev is None:
-        for p in paths:
-            src = root / p
+        for path in paths:
+            src = root / path
             if src.is_dir() and any(src.iterdir()):
-                shutil.copytree(src, dst / p)
+                shutil.copytree(src, dst / path)
             elif src.is_file():
-                (dst / p).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, dst / p)
+                (dst / path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst / path)
             else:
-                missing.append(p)
+                missing.append(path)
     else:
         from dvc.api import DVCFileSystem
 
         fs = DVCFileSystem(str(root), rev=rev)
-        for p in paths:
-            (dst / p).parent.mkdir(parents=True, exist_ok=True)
+        for path in paths:
+            (dst / path).parent.mkdir(parents=True, exist_ok=True)
             try:
-                fs.get(p, str(dst / p), recursive=True)
+                fs.get(path, str(dst / path), recursive=True)
             except Exception:  # not in the experiment, or not in the local DVC cache
-                missing.append(p)
+                missing.append(path)
     if missing:
         raise APIError(
             "missing_outputs",
@@ -626,11 +610,11 @@ def _eval_worker(args: dict) -> dict:
 
 def status(args: dict, root: Optional[str | Path] = None) -> dict:
     check_known(args, ARGUMENTS["status"])
-    r = _root(root)
+    repo = _root(root)
     runs = []
-    for f in sorted((_state_dir(r) / "runs").glob("*.json")):
+    for run_file in sorted((_state_dir(repo) / "runs").glob("*.json")):
         try:
-            info = json.loads(f.read_text())
+            info = json.loads(run_file.read_text())
         except (OSError, ValueError):
             continue
         alive = _pid_alive(info.get("pid"))
@@ -638,14 +622,14 @@ def status(args: dict, root: Optional[str | Path] = None) -> dict:
         if not alive:
             info["state"] = "interrupted"
         runs.append(info)
-    q = _dvc(r, "queue", "status", check=False)
+    queue = _dvc(repo, "queue", "status", check=False)
     queue_rows = [
-        row for row in (_clean(x) for x in _exp_rows(r)) if row.get("State") in ("Queued", "Running", "Failed")
+        row for row in (_clean(x) for x in _exp_rows(repo)) if row.get("State") in ("Queued", "Running", "Failed")
     ]
     return {
         "runs": runs,
         "queue": [{"name": x.get("Experiment"), "rev": x.get("rev"), "state": x.get("State")} for x in queue_rows],
-        "dvc_queue_status": (q.stdout or q.stderr).strip(),
+        "dvc_queue_status": (queue.stdout or queue.stderr).strip(),
     }
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from .. import config
 from ..experiments import overrides as overrides_mod
+from ..experiments.queue import experiment_name_problem
 
 
 class APIError(Exception):
@@ -42,11 +43,11 @@ def require(args: dict, key: str, typ: type | tuple, default: Any = ..., what: s
         if default is ...:
             raise APIError("missing_argument", f"'{key}' is required{': ' + what if what else ''}", key=key)
         return default
-    v = args[key]
-    if not isinstance(v, typ) or (isinstance(v, bool) and typ in (int, (int, float))):
+    value = args[key]
+    if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, (int, float))):
         names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
-        raise APIError("wrong_type", f"'{key}' must be {names}, got {type(v).__name__}", key=key)
-    return v
+        raise APIError("wrong_type", f"'{key}' must be {names}, got {type(value).__name__}", key=key)
+    return value
 
 
 def check_known(args: dict, allowed: set[str]) -> None:
@@ -63,56 +64,32 @@ def too_large(args: dict) -> Optional[tuple[str, str]]:
         size += len(str(key)) + 4
         stack = [(value, 1)]
         while stack:
-            v, depth = stack.pop()
+            node, depth = stack.pop()
             if depth > MAX_DEPTH + 2:
                 return f"nested deeper than {MAX_DEPTH + 2} levels", str(key)[:100]
-            if isinstance(v, dict):
-                size += 2 + sum(len(str(k)) + 4 for k in v)
-                stack.extend((x, depth + 1) for x in v.values())
-            elif isinstance(v, (list, tuple)):
-                size += 2 + len(v)
-                stack.extend((x, depth + 1) for x in v)
+            if isinstance(node, dict):
+                size += 2 + sum(len(str(k)) + 4 for k in node)
+                stack.extend((x, depth + 1) for x in node.values())
+            elif isinstance(node, (list, tuple)):
+                size += 2 + len(node)
+                stack.extend((x, depth + 1) for x in node)
             else:
-                size += len(v) + 2 if isinstance(v, str) else 8
+                size += len(node) + 2 if isinstance(node, str) else 8
             if size > MAX_REQUEST_CHARS:
                 return f"larger than {MAX_REQUEST_CHARS} characters of JSON", str(key)[:100]
     return None
 
 
 # ------------------------------------------------------------------------------------ experiment names
-# An experiment name is a ref under refs/exps/ and the handle every later call (compare, evaluate, `dvc exp
-# apply`) resolves; DVC resolves git revisions before experiment names, so a name that also reads as a git
-# revision would stand for that commit, not the experiment. Checked in full (fullmatch: `$` would let "x\n" in).
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-# git's own names at the top of .git (HEAD, FETCH_HEAD, ORIG_HEAD, MERGE_HEAD, ...: git resolves any all-caps
-# name there) and the stash, whether or not they exist yet
-PSEUDO_REF_RE = re.compile(r"[A-Z][A-Z_-]*|stash")
-# what git may read as an abbreviated commit id, now or after the next commit
-ABBREV_SHA_RE = re.compile(r"[0-9a-fA-F]{4,40}")
-
-
 def check_experiment_name(name: str) -> None:
-    """Refuse a name that is not a plain experiment name: git's ref-name rules (`git check-ref-format`, as
-    dulwich implements them, on the ref DVC writes), letters, digits, '.', '_' and '-' only (no revision
-    syntax: ~ ^ : @{ whitespace), and not a name git itself resolves (pseudo-refs, abbreviated commit ids).
-    Names of existing branches and tags are checked against the repository (agent_api).
+    """Refuse a name that is not a plain experiment name (experiments.queue.experiment_name_problem: git's ref
+    rules, no revision syntax, not a name git itself resolves). Names of existing branches and tags are checked
+    against the repository (api/actions.py).
 
     Args:
         name: the experiment name the caller gave.
     """
-    from dulwich.refs import check_ref_format
-
-    why = ""
-    if not NAME_RE.fullmatch(name):
-        why = "must be letters, digits, '.', '_' or '-', starting with a letter or digit, at most 100 characters"
-    elif not check_ref_format(f"refs/exps/{name}".encode()):
-        why = "must be a valid git ref name (git check-ref-format: no '..', not ending in '.' or '.lock')"
-    elif PSEUDO_REF_RE.fullmatch(name):
-        why = "must not be one of git's own names (all-caps names such as HEAD, FETCH_HEAD, ORIG_HEAD; stash)"
-    elif ABBREV_SHA_RE.fullmatch(name):
-        why = "must not be 4 to 40 hex digits (git reads those as an abbreviated commit id)"
-    elif name == "workspace":
-        why = "must not be 'workspace' (compare and evaluate read that as the workspace)"
+    why = experiment_name_problem(name)
     if why:
         raise APIError("invalid_value", f"'name' {why}; got {name[:200]!r}", key="name")
 
@@ -138,14 +115,14 @@ _WRONG_TYPE = re.compile(r"(_type|_parsing)$")
 
 
 def _kind(err: dict) -> str:
-    t = err["type"]
-    if t == "extra_forbidden":
+    error_type = err["type"]
+    if error_type == "extra_forbidden":
         return "unknown_key"
-    if t == "missing":
+    if error_type == "missing":
         return "missing_key"
-    if _WRONG_TYPE.search(t) or t in ("literal_error", "enum"):
-        return "wrong_type" if t not in ("literal_error", "enum") else "invalid_value"
-    if t in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long"):
+    if _WRONG_TYPE.search(error_type) or error_type in ("literal_error", "enum"):
+        return "wrong_type" if error_type not in ("literal_error", "enum") else "invalid_value"
+    if error_type in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long"):
         return "out_of_range"
     return "invalid_value"
 
@@ -175,8 +152,10 @@ def read_params(root: Path) -> dict:
     return _params_text(root)[1]
 
 
-def _override_error(e: overrides_mod.OverrideError) -> APIError:
-    return APIError(e.type, str(e), key=e.key, errors=[{"key": e.key, "type": e.type, "message": e.message}])
+def _override_error(error: overrides_mod.OverrideError) -> APIError:
+    return APIError(
+        error.type, str(error), key=error.key, errors=[{"key": error.key, "type": error.type, "message": error.message}]
+    )
 
 
 def _schema_check(tree: dict, keys: list[str], source: str) -> None:
@@ -258,12 +237,12 @@ def validate_overrides(root: Path, overrides: Any) -> tuple[dict, list[str], str
 
 
 def _import_names(tree: dict, key: str) -> list[str]:
-    v = overrides_mod.get(tree, key)
-    if isinstance(v, dict):
-        return [str(k) for k in v]
-    if isinstance(v, list):
-        return [x for x in v if isinstance(x, str)]
-    return [v] if isinstance(v, str) else []
+    value = overrides_mod.get(tree, key)
+    if isinstance(value, dict):
+        return [str(k) for k in value]
+    if isinstance(value, list):
+        return [x for x in value if isinstance(x, str)]
+    return [value] if isinstance(value, str) else []
 
 
 def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
@@ -282,9 +261,9 @@ def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
         if not overrides_mod.same(overrides_mod.get(tree, key), overrides_mod.get(base, key)):
             raise APIError("not_allowed", f"{key}: only params.yaml sets it, not an override", key=key)
     for key in PATH_KEYS:
-        v = overrides_mod.get(tree, key)
-        if isinstance(v, str) and not overrides_mod.same(v, overrides_mod.get(base, key)):
-            _check_repo_path(root, key, v)
+        value = overrides_mod.get(tree, key)
+        if isinstance(value, str) and not overrides_mod.same(value, overrides_mod.get(base, key)):
+            _check_repo_path(root, key, value)
     accel = overrides_mod.get(tree, "distributed.accelerate_config")
     if isinstance(accel, str) and accel != overrides_mod.get(base, "distributed.accelerate_config"):
         _check_repo_path(root, "distributed.accelerate_config", accel, under=ACCELERATE_DIR, must_exist=True)
@@ -293,8 +272,8 @@ def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
         if not isinstance(new, dict):
             continue
         old = old if isinstance(old, dict) else {}
-        for arg, v in new.items():
-            if arg in old and overrides_mod.same(v, old[arg]):
+        for arg, value in new.items():
+            if arg in old and overrides_mod.same(value, old[arg]):
                 continue
             where = f"{section}.{arg}"
             if RESERVED_PASSTHROUGH.search(str(arg)):
@@ -303,11 +282,11 @@ def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
                     f"{where}: reaches the network, files or code (hub, paths, servers); only params.yaml sets it",
                     key=where,
                 )
-            for leaf, x in overrides_mod.leaves(v, where, lists=True):
-                if isinstance(x, str) and ("/" in x or "\\" in x or x.startswith(("~", "."))):
+            for leaf, item in overrides_mod.leaves(value, where, lists=True):
+                if isinstance(item, str) and ("/" in item or "\\" in item or item.startswith(("~", "."))):
                     raise APIError(
                         "not_allowed",
-                        f"{leaf}: {x[:100]!r} looks like a path; an override sets values, not paths",
+                        f"{leaf}: {item[:100]!r} looks like a path; an override sets values, not paths",
                         key=where,
                     )
 
@@ -330,7 +309,7 @@ def _check_repo_path(root: Path, key: str, value: str, under: str = "", must_exi
 _LINE = re.compile(r"^\s+(\S+?): (.+)$")
 
 
-def _errors(e: Exception, raw: dict, overrides: list[str]) -> list[dict]:
+def _errors(error: Exception, raw: dict, overrides: list[str]) -> list[dict]:
     """One {key, type, message} per offending key of a ParamsError (its documented `  key.path: message`
     lines; the type from pydantic's error where the schema raised it), the overridden keys first. Linear in
     the number of errors and keys (prefix sets, no pairwise comparison)."""
@@ -342,11 +321,11 @@ def _errors(e: Exception, raw: dict, overrides: list[str]) -> list[dict]:
     except ValidationError as ve:
         kinds = {".".join(str(p) for p in err["loc"]): _kind(err) for err in ve.errors()}
     out = []
-    for line in str(e).splitlines()[1:]:
-        m = _LINE.match(line)
-        if not m:
+    for line in str(error).splitlines()[1:]:
+        match = _LINE.match(line)
+        if not match:
             continue
-        key, msg = m.groups()
+        key, msg = match.groups()
         kind = kinds.get(key) or (
             "unknown_key"
             if "unknown" in msg

@@ -65,10 +65,10 @@ async def _call(action: str, args: dict, ctx: Optional[Context] = None) -> CallT
         The action's JSON as a tool result (a tool error for an {"error": ...} answer).
     """
 
-    def progress(p: float, total: Optional[float], message: str) -> None:
+    def progress(done: float, total: Optional[float], message: str) -> None:
         """Called from the worker thread: hand the notification to the event loop."""
         try:
-            anyio.from_thread.run(partial(ctx.report_progress, p, total, message))
+            anyio.from_thread.run(partial(ctx.report_progress, done, total, message))
         except Exception:  # a lost progress notification must not fail the run
             pass
 

@@ -73,12 +73,12 @@ def _run(coro, timeout_s: float):
         raise TimeoutError(f"no answer within {timeout_s:g} s") from None
 
 
-def _why(e: BaseException) -> str:
-    if isinstance(e, json.JSONDecodeError):
-        return f"answered malformed JSON ({e})"
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-        return f"no answer within the timeout ({e or 'timed out'})"
-    return f"{type(e).__name__}: {e}"
+def _why(error: BaseException) -> str:
+    if isinstance(error, json.JSONDecodeError):
+        return f"answered malformed JSON ({error})"
+    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+        return f"no answer within the timeout ({error or 'timed out'})"
+    return f"{type(error).__name__}: {error}"
 
 
 class Session:
@@ -207,11 +207,11 @@ def _tool_method(spec: dict, url: str):
     if not name.isidentifier() or name.startswith("_") or name in ("reset", "get_reward"):
         raise OpenEnvError(f"{where}: not a usable tool name")
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    for p in spec.get("parameters") or []:
-        default = p.get("default", inspect.Parameter.empty)
-        ann = _annotation(p.get("annotation"), where)
+    for param in spec.get("parameters") or []:
+        default = param.get("default", inspect.Parameter.empty)
+        ann = _annotation(param.get("annotation"), where)
         params.append(
-            inspect.Parameter(p["name"], inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=ann)
+            inspect.Parameter(param["name"], inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=ann)
         )
     returns = _annotation(spec.get("returns"), where)
     signature = inspect.Signature(params, return_annotation=returns)
@@ -225,7 +225,7 @@ def _tool_method(spec: dict, url: str):
     tool.__name__ = tool.__qualname__ = name
     tool.__doc__ = spec.get("doc")
     tool.__signature__ = signature
-    tool.__annotations__ = {p.name: p.annotation for p in params[1:] if p.annotation is not p.empty}
+    tool.__annotations__ = {param.name: param.annotation for param in params[1:] if param.annotation is not param.empty}
     if returns is not inspect.Parameter.empty:
         tool.__annotations__["return"] = returns
     return tool

@@ -101,13 +101,15 @@ def tool_spec(name: str, method: Callable) -> dict:
 
     sig = inspect.signature(method)
     params = []
-    for p in sig.parameters.values():
-        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            raise ValueError(f"tool '{name}': parameter '{p.name}' is {p.kind.description}; tools take named arguments")
-        entry = {"name": p.name, "annotation": _annotation_text(p.annotation)}
-        if p.default is not p.empty:
-            json.dumps(p.default)  # a default that JSON cannot carry is the server's error, raised at start
-            entry["default"] = p.default
+    for param in sig.parameters.values():
+        if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            raise ValueError(
+                f"tool '{name}': parameter '{param.name}' is {param.kind.description}; tools take named arguments"
+            )
+        entry = {"name": param.name, "annotation": _annotation_text(param.annotation)}
+        if param.default is not param.empty:
+            json.dumps(param.default)  # a default that JSON cannot carry is the server's error, raised at start
+            entry["default"] = param.default
         params.append(entry)
     try:
         schema = get_json_schema(method)
@@ -286,26 +288,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--params", default="params.yaml", help="its environments.<env> section gives the knobs")
     ap.add_argument("--knobs", default=None, help="the knobs as a JSON object instead of --params")
     ap.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.knobs is not None:
-        knobs = json.loads(a.knobs)
+    args = ap.parse_args(argv)
+    if args.knobs is not None:
+        knobs = json.loads(args.knobs)
         if not isinstance(knobs, dict):
-            ap.error(f"--knobs must be a JSON object, got {a.knobs!r}")
+            ap.error(f"--knobs must be a JSON object, got {args.knobs!r}")
     else:  # read as YAML, not validated as a whole (config imports tools, which imports this package); the
         import yaml  # environment's constructor checks each knob it takes
 
-        with open(a.params) as f:
+        with open(args.params) as f:
             env_params = (yaml.safe_load(f) or {}).get("environments")
         if not isinstance(env_params, dict):
-            ap.error(f"--params {a.params}: no 'environments' section (a mapping of environment -> knobs)")
-        knobs = environment_knobs(a.env, env_params)
-    app = build_app(a.env, knobs)
-    sock = _listening_socket(a.host, a.port)
-    print(f"http://{a.host}:{sock.getsockname()[1]}", flush=True)
+            ap.error(f"--params {args.params}: no 'environments' section (a mapping of environment -> knobs)")
+        knobs = environment_knobs(args.env, env_params)
+    app = build_app(args.env, knobs)
+    sock = _listening_socket(args.host, args.port)
+    print(f"http://{args.host}:{sock.getsockname()[1]}", flush=True)
     sys.stdout = sys.stderr  # the URL line is the only stdout: `spawn` reads it and nothing drains the pipe after
-    if a.exit_with_stdin:
+    if args.exit_with_stdin:
         threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
-    _uvicorn_server(app, a.host).run(sockets=[sock])
+    _uvicorn_server(app, args.host).run(sockets=[sock])
 
 
 if __name__ == "__main__":

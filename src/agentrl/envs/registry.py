@@ -61,26 +61,50 @@ def environment_tools(env) -> dict[str, Callable[..., str]]:
 
 
 def import_path(name: str, what: str):
-    """The object a `module:attr` path names, or ValueError '<what> '<name>': <why>'."""
+    """The object a `module:attr` path names, or ValueError '<what> '<name>': <why>'.
+
+    Args:
+        name: a `module:attr` path.
+        what: how the error names what was imported.
+
+    Returns:
+        The object.
+    """
     module, _, attr = name.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} '{name}': {e}") from None
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{what} '{name}': {error}") from None
 
 
 def call_tool(fn: Callable[..., str], *args, **kwargs) -> tuple[str, bool]:
-    """(result text, ok). Any exception becomes 'error: ...' (ok False); never raises."""
+    """(result text, ok). Any exception becomes 'error: ...' (ok False); never raises.
+
+    Args:
+        fn: the tool.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        (the result as text or 'error: ...', whether the call succeeded).
+    """
     try:
         out = fn(*args, **kwargs)
         return str(out), True
-    except Exception as e:  # a tool's failure is data for the policy, not a crash
-        msg = str(e) if isinstance(e, ToolError) else f"{type(e).__name__}: {e}"
+    except Exception as error:  # a tool's failure is data for the policy, not a crash
+        msg = str(error) if isinstance(error, ToolError) else f"{type(error).__name__}: {error}"
         return f"error: {msg[:120]}", False
 
 
 def get_environment(name: str) -> type:
-    """An environment class by registry name or `module:Class` import path (agent.environment)."""
+    """An environment class by registry name or `module:Class` import path (agent.environment).
+
+    Args:
+        name: a registry name or `module:Class`.
+
+    Returns:
+        The environment class. ValueError naming an unknown name or an import that fails.
+    """
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
     if ":" in name:
@@ -95,14 +119,30 @@ def get_environment(name: str) -> type:
 
 
 def task_of(env) -> Optional[str]:
-    """The built-in task (TASKS key) an environment instance belongs to, or None."""
+    """The built-in task (TASKS key) an environment instance belongs to, or None.
+
+    Args:
+        env: an environment instance.
+
+    Returns:
+        The task's name, or None for a custom environment.
+    """
     return next((name for name in TASKS if isinstance(env, ENVIRONMENTS[name])), None)
 
 
 def episode_solved(row: dict, text: str, env) -> Optional[bool]:
     """Whether an episode was solved, by its environment's own rule: a built-in task's `correct(row, text,
     env)`; a custom environment's `get_reward() >= 1`; None when the environment has neither (the final
-    answer is then matched against the row's ground truth, as for the calculator)."""
+    answer is then matched against the row's ground truth, as for the calculator).
+
+    Args:
+        row: the dataset row the episode was reset with.
+        text: the completion.
+        env: the episode's environment instance, or None.
+
+    Returns:
+        True or False by the environment's rule, or None when it has none.
+    """
     if env is None:
         return None
     if callable(getattr(env, "_episode_solved", None)):  # an environment over OpenEnv: its server applies the rule

@@ -1,4 +1,5 @@
-"""The DVC experiment queue, run to the end without hanging (scripts/sweep.py and scripts/seeds.py).
+"""The DVC experiment queue, run to the end without hanging (scripts/sweep.py and scripts/seeds.py); the rule for
+experiment names and dvc.yaml's stages, which the sweeps, `make env` and the agent API share.
 
 `dvc exp run --run-all -j N` starts N queue workers and then waits for each queued task to start. When a worker
 exits while tasks are still queued (DVC 3.x, treeverse/dvc#10398, #10428, #10562: it runs one or two experiments,
@@ -11,12 +12,92 @@ stops with an error naming the experiments when a task is left running with no w
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import yaml
+
 WAITING = ("Queued", "Running")
+
+# An experiment name is a ref under refs/exps/ and the handle every later call (compare, evaluate, `dvc exp
+# apply`) resolves; DVC resolves git revisions before experiment names, so a name that also reads as a git
+# revision would stand for that commit, not the experiment. Checked in full (fullmatch: `$` would let "x\n" in).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+# git's own names at the top of .git (HEAD, FETCH_HEAD, ORIG_HEAD, MERGE_HEAD, ...: git resolves any all-caps
+# name there) and the stash, whether or not they exist yet
+PSEUDO_REF_RE = re.compile(r"[A-Z][A-Z_-]*|stash")
+# what git may read as an abbreviated commit id, now or after the next commit
+ABBREV_SHA_RE = re.compile(r"[0-9a-fA-F]{4,40}")
+
+
+def experiment_name_problem(name: str) -> str:
+    """What is wrong with `name` as an experiment name, or "" when it is a plain one: git's ref-name rules (`git
+    check-ref-format`, as dulwich implements them, on the ref DVC writes), letters, digits, '.', '_' and '-' only
+    (no revision syntax: ~ ^ : @{ whitespace), and not a name git itself resolves (pseudo-refs, abbreviated commit
+    ids). The agent API (api/checks.py) and the sweeps share this rule.
+
+    Args:
+        name: the experiment name to check.
+
+    Returns:
+        The rule it breaks, worded to follow "'name' ", or "".
+    """
+    from dulwich.refs import check_ref_format
+
+    if not NAME_RE.fullmatch(name):
+        return "must be letters, digits, '.', '_' or '-', starting with a letter or digit, at most 100 characters"
+    if not check_ref_format(f"refs/exps/{name}".encode()):
+        return "must be a valid git ref name (git check-ref-format: no '..', not ending in '.' or '.lock')"
+    if PSEUDO_REF_RE.fullmatch(name):
+        return "must not be one of git's own names (all-caps names such as HEAD, FETCH_HEAD, ORIG_HEAD; stash)"
+    if ABBREV_SHA_RE.fullmatch(name):
+        return "must not be 4 to 40 hex digits (git reads those as an abbreviated commit id)"
+    if name == "workspace":
+        return "must not be 'workspace' (compare and evaluate read that as the workspace)"
+    return ""
+
+
+def check_search_name(name: str, flag: str = "--name") -> None:
+    """A search's name prefixes its experiments' names (<name>-t<N>, <name>-<time>) and a directory
+    (sweeps/<name>/): it must make valid experiment names, checked before a study or a queue entry is created.
+
+    Args:
+        name: the search's (or study's) name.
+        flag: how the user gave it, for the error.
+    """
+    first = f"{name}-t0"
+    problem = experiment_name_problem(first)
+    if problem:
+        raise SystemExit(
+            f"{flag} {name[:200]!r}: names its experiments {name[:100]}-tN, and 'name' {problem}; got {first[:200]!r}"
+        )
+
+
+def dvc_stages(root: Path) -> list[dict]:
+    """dvc.yaml's stages in `root`, each as name, cmd, params, outs and metrics (paths only).
+
+    Args:
+        root: the folder holding dvc.yaml.
+
+    Returns:
+        One dict per stage, in dvc.yaml's order.
+    """
+    spec = yaml.safe_load((root / "dvc.yaml").read_text()) or {}
+    out = []
+    for name, stage in (spec.get("stages") or {}).items():
+        out.append(
+            {
+                "name": name,
+                "cmd": stage.get("cmd"),
+                "params": stage.get("params") or [],
+                "outs": [o if isinstance(o, str) else next(iter(o)) for o in stage.get("outs") or []],
+                "metrics": [m if isinstance(m, str) else next(iter(m)) for m in stage.get("metrics") or []],
+            }
+        )
+    return out
 
 
 def dvc(*args: str, capture: bool = True) -> str:

@@ -43,13 +43,13 @@ def _settings() -> tuple[str, ServeParams, AgentParams, ModelParams, dict]:
 def check_model_dir(path: str) -> None:
     """The server serves a local model directory only: a missing one is named, never looked up on the hub."""
     source = "AGENTRL_MODEL_PATH" if "AGENTRL_MODEL_PATH" in os.environ else "serve.model_path"
-    p = Path(path)
-    if not p.is_dir():
+    directory = Path(path)
+    if not directory.is_dir():
         raise FileNotFoundError(
             f"{source}={path}: model directory not found (run `dvc repro export` for "
             f"models/merged, or point {source} at a saved model directory)"
         )
-    if not (p / "config.json").is_file():
+    if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{source}={path}: not a saved model directory (no config.json)")
 
 
@@ -76,29 +76,29 @@ def _engine(request: Request) -> Engine:
 
 @app.get("/health")
 async def health(request: Request):
-    e = _engine(request)
+    engine = _engine(request)
     return {
         "status": "ok",
-        "model_loaded": e.model is not None,
-        "model_path": e.path,
-        "device": e.model.device.type,
-        "dtype": str(e.model.dtype).removeprefix("torch."),
-        "context": e.context,
-        "batches_run": e.batches,
-        "tokens_generated": e.tokens_generated,
-        "jobs_cancelled": e.jobs_cancelled,
+        "model_loaded": engine.model is not None,
+        "model_path": engine.path,
+        "device": engine.model.device.type,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "context": engine.context,
+        "batches_run": engine.batches,
+        "tokens_generated": engine.tokens_generated,
+        "jobs_cancelled": engine.jobs_cancelled,
     }
 
 
-def _model_card(e: Engine) -> dict:
-    config = Path(e.path) / "config.json"
+def _model_card(engine: Engine) -> dict:
+    config = Path(engine.path) / "config.json"
     return {
-        "id": e.path,  # the served model directory (the `model` of a request is not checked against it)
+        "id": engine.path,  # the served model directory (the `model` of a request is not checked against it)
         "object": "model",
         "created": int(config.stat().st_mtime) if config.exists() else 0,
         "owned_by": "agentrl",
-        "max_model_len": e.context,
-        "tool_call_format": e.format,
+        "max_model_len": engine.context,
+        "tool_call_format": engine.format,
     }
 
 
@@ -122,17 +122,21 @@ async def get_model(model_id: str, request: Request):
 
 @app.post("/generate", response_model=GenerateResponse)
 async def generate(req: GenerateRequest, request: Request):
-    e = _engine(request)
+    engine = _engine(request)
     if not req.text.strip():
         raise ApiError("text", "must be a non-empty string")
-    ids = await e.prompt([{"role": "user", "content": req.text}], req.max_tokens, "text")
-    r = await complete(e, ids, Sampling(req.max_tokens, req.temperature), request=request)
+    ids = await engine.prompt([{"role": "user", "content": req.text}], req.max_tokens, "text")
+    result = await complete(engine, ids, Sampling(req.max_tokens, req.temperature), request=request)
     return GenerateResponse(
-        text=r["text"], answer=r["answer"], confidence=r["confidence"], tokens=r["tokens"], tool_calls=r["tool_calls"]
+        text=result["text"],
+        answer=result["answer"],
+        confidence=result["confidence"],
+        tokens=result["tokens"],
+        tool_calls=result["tool_calls"],
     )
 
 
-def _chat_sampling(req: ChatRequest, e: Engine) -> Sampling:
+def _chat_sampling(req: ChatRequest, engine: Engine) -> Sampling:
     if req.n not in (None, 1):
         raise ApiError("n", f"only n=1 is supported, got {req.n}")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -145,9 +149,9 @@ def _chat_sampling(req: ChatRequest, e: Engine) -> Sampling:
     which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, e.cfg.max_tokens_limit)
-    if not 1 <= max_tokens <= e.cfg.max_tokens_limit:
-        raise ApiError(which, f"must be between 1 and {e.cfg.max_tokens_limit}, got {max_tokens}")
+        max_tokens = min(DEFAULT_MAX_TOKENS, engine.cfg.max_tokens_limit)
+    if not 1 <= max_tokens <= engine.cfg.max_tokens_limit:
+        raise ApiError(which, f"must be between 1 and {engine.cfg.max_tokens_limit}, got {max_tokens}")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return Sampling(max_tokens, req.temperature or 0.0, req.top_p or 1.0, req.seed, stop)
 
@@ -156,22 +160,24 @@ def _chat_messages(req: ChatRequest) -> list[dict]:
     """The request's messages as dicts ({role, content, tool_calls, tool_call_id}), each checked for the fields
     its role allows; `developer` is rendered as `system`."""
     out = []
-    for i, m in enumerate(req.messages):
-        if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            raise ApiError(f"messages.{i}.content", "required (only an assistant message with tool_calls may omit it)")
-        if m.tool_calls and m.role != "assistant":
-            raise ApiError(f"messages.{i}.tool_calls", "only an assistant message carries tool calls")
-        if m.tool_call_id is not None and m.role != "tool":
-            raise ApiError(f"messages.{i}.tool_call_id", "only a tool message answers a tool call")
-        content = m.text()
-        if not content.strip() and m.role != "assistant":
-            raise ApiError(f"messages.{i}.content", "must be non-empty")
+    for index, message in enumerate(req.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise ApiError(
+                f"messages.{index}.content", "required (only an assistant message with tool_calls may omit it)"
+            )
+        if message.tool_calls and message.role != "assistant":
+            raise ApiError(f"messages.{index}.tool_calls", "only an assistant message carries tool calls")
+        if message.tool_call_id is not None and message.role != "tool":
+            raise ApiError(f"messages.{index}.tool_call_id", "only a tool message answers a tool call")
+        content = message.text()
+        if not content.strip() and message.role != "assistant":
+            raise ApiError(f"messages.{index}.content", "must be non-empty")
         out.append(
             {
-                "role": "system" if m.role == "developer" else m.role,
+                "role": "system" if message.role == "developer" else message.role,
                 "content": content,
-                "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None,
-                "tool_call_id": m.tool_call_id,
+                "tool_calls": [c.model_dump() for c in message.tool_calls] if message.tool_calls else None,
+                "tool_call_id": message.tool_call_id,
             }
         )
     if out[-1]["role"] == "assistant":
@@ -182,57 +188,59 @@ def _chat_messages(req: ChatRequest) -> list[dict]:
     return out
 
 
-async def _chat_prompt(e: Engine, req: ChatRequest, sampling: Sampling, plan: Optional[ToolPlan]) -> list[int]:
+async def _chat_prompt(engine: Engine, req: ChatRequest, sampling: Sampling, plan: Optional[ToolPlan]) -> list[int]:
     """Prompt ids of a chat request: the plain template rendering, or (tools in the request or tool calls in its
     history) the conversation rendered in the policy's call format (openai_tools.render_conversation)."""
     messages = _chat_messages(req)
     if plan is None and not any(m["tool_calls"] or m["tool_call_id"] is not None for m in messages):
-        return await e.prompt(
+        return await engine.prompt(
             [{"role": m["role"], "content": m["content"]} for m in messages], sampling.max_tokens, "messages"
         )
     try:
-        rendered, continuation = render_conversation(messages, e.format)
-    except ToolRequestError as x:
-        raise ApiError(x.param, x.message) from None
+        rendered, continuation = render_conversation(messages, engine.format)
+    except ToolRequestError as error:
+        raise ApiError(error.param, error.message) from None
     kw = None
-    if plan is not None and e.format == "chat":
-        kw = {**e.template_kwargs, "tools": plan.template_tools()}
-    if e.format == "chat":  # what the template renders itself (tools, call arguments) must not spell protocol tokens
+    if plan is not None and engine.format == "chat":
+        kw = {**engine.template_kwargs, "tools": plan.template_tools()}
+    if (
+        engine.format == "chat"
+    ):  # what the template renders itself (tools, call arguments) must not spell protocol tokens
         for where, value in [("tools", plan.template_tools() if plan else [])] + [
             (f"messages.{i}.tool_calls", m["tool_calls"]) for i, m in enumerate(messages) if m["tool_calls"]
         ]:
-            hit = control_token_in(value, e.protocol)
+            hit = control_token_in(value, engine.protocol)
             if hit:
                 raise ApiError(
                     where, f"contains the control token {hit!r}, which the chat template would not keep as text"
                 )
-    return await e.prompt(
+    return await engine.prompt(
         rendered, sampling.max_tokens, "messages", kw, tuple(continuation), plan.prefix if plan is not None else ""
     )
 
 
 @app.post("/v1/chat/completions")
 async def chat(req: ChatRequest, request: Request):
-    e = _engine(request)
-    sampling = _chat_sampling(req, e)
+    engine = _engine(request)
+    sampling = _chat_sampling(req, engine)
     try:
-        plan = plan_tools(e.format, req.tools, req.tool_choice, req.parallel_tool_calls)
-    except ToolRequestError as x:
-        raise ApiError(x.param, x.message) from None
-    ids = await _chat_prompt(e, req, sampling, plan)
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or e.path
+        plan = plan_tools(engine.format, req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolRequestError as error:
+        raise ApiError(error.param, error.message) from None
+    ids = await _chat_prompt(engine, req, sampling, plan)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or engine.path
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            chat_stream(e, ids, sampling, cid, created, model, include_usage, plan),
+            chat_stream(engine, ids, sampling, cid, created, model, include_usage, plan),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache"},
         )
-    r = await complete(e, ids, sampling, request=request, plan=plan)
-    message: dict = {"role": "assistant", "content": r["text"]}
-    finish = r["finish_reason"]
+    result = await complete(engine, ids, sampling, request=request, plan=plan)
+    message: dict = {"role": "assistant", "content": result["text"]}
+    finish = result["finish_reason"]
     if plan is not None:
-        content, calls = parse_calls(plan.prefix + r["text"], plan, r["called"])
+        content, calls = parse_calls(plan.prefix + result["text"], plan, result["called"])
         message["content"] = content
         if calls:
             message["tool_calls"], finish = calls, "tool_calls"
@@ -243,9 +251,9 @@ async def chat(req: ChatRequest, request: Request):
             "created": created,
             "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": usage(r),
-            "answer": r["answer"],
-            "confidence": r["confidence"],
-            "tool_calls": r["tool_calls"],  # the calls the server ran (their results are in the content)
+            "usage": usage(result),
+            "answer": result["answer"],
+            "confidence": result["confidence"],
+            "tool_calls": result["tool_calls"],  # the calls the server ran (their results are in the content)
         }
     )

@@ -49,9 +49,9 @@ def _plain_pieces(text: str, protocol: Optional[re.Pattern]) -> list[str]:
     if protocol is None:
         return [text]
     pieces, pos = [], 0
-    while (m := protocol.search(text, pos)) is not None:
-        pieces.append(text[pos : m.start() + 1])
-        pos = m.start() + 1
+    while (match := protocol.search(text, pos)) is not None:
+        pieces.append(text[pos : match.start() + 1])
+        pos = match.start() + 1
     pieces.append(text[pos:])
     return [p for p in pieces if p]
 
@@ -71,10 +71,10 @@ def encode_plain(tokenizer, texts: list[str]) -> list[list[int]]:
     cut = [_plain_pieces(t, pattern) for t in texts]
     flat = [p for pieces in cut for p in pieces]
     enc = tokenizer(flat, add_special_tokens=False, split_special_tokens=True)["input_ids"] if flat else []
-    out, k = [], 0
+    out, offset = [], 0
     for pieces in cut:
-        out.append([i for ids in enc[k : k + len(pieces)] for i in ids])
-        k += len(pieces)
+        out.append([i for ids in enc[offset : offset + len(pieces)] for i in ids])
+        offset += len(pieces)
     return out
 
 
@@ -108,11 +108,11 @@ def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: Optional[d
 
 def _fallback_prompt_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None) -> list[int]:
     protocol = protocol_tokens(tokenizer)
-    for i, m in enumerate(messages):
-        hit = next((t for t in protocol if t in m["content"]), None)
+    for index, message in enumerate(messages):
+        hit = next((t for t in protocol if t in message["content"]), None)
         if hit:
             raise ApiError(
-                f"messages.{i}.content",
+                f"messages.{index}.content",
                 f"contains the control token {hit!r}, which this model's chat template cannot keep as plain text",
             )
     text = tokenizer.apply_chat_template(
@@ -279,12 +279,12 @@ class Engine:
         eos / max_tokens / stop string / opened call (client-side tools) or when its client is gone; streaming
         jobs get their text (server-side tool results included) as it grows."""
         tok = self.tokenizer
-        s = jobs[0].sampling
+        sampling = jobs[0].sampling
         stopped_by: dict[int, int] = {}  # job -> tokens it took to produce a stop string
         called: dict[int, int] = {}  # jobs that ended at an inline call -> characters of their text up to its `=`
 
-        def hook(i: int, _sample: int, completion_ids: list[int]) -> bool:
-            job = jobs[i]
+        def hook(index: int, _sample: int, completion_ids: list[int]) -> bool:
+            job = jobs[index]
             if job.cancelled:
                 return True
             watch_call = job.stop_at_call and "=" in tok.decode(completion_ids[-1:], skip_special_tokens=True)
@@ -294,11 +294,11 @@ class Engine:
             if watch_call:
                 end = inline_call_end(job.prefix + text)
                 if end is not None:
-                    called[i] = end - len(job.prefix)
+                    called[index] = end - len(job.prefix)
                     return True
             text, stopped = _cut_at_stop(text, job.sampling.stop)
             if stopped:
-                stopped_by[i] = len(completion_ids)
+                stopped_by[index] = len(completion_ids)
                 return True
             if job.on_text:
                 # hold back what could still become a stop string, and an unfinished UTF-8 sequence
@@ -313,42 +313,42 @@ class Engine:
             self.toolset if jobs[0].server_tools else None,
             [j.sampling.max_tokens for j in jobs],
             batch_size=len(jobs),
-            temperature=0.0 if s.greedy else s.temperature,
-            top_p=s.top_p,
-            seed=s.seed if not s.greedy else None,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed if not sampling.greedy else None,
             return_logprobs=True,
             row_hook=hook,
             rows=[served_row(tok, j.prompt_ids) for j in jobs] if getattr(self.toolset, "environment", None) else None,
         )
         results = []
-        for i, job in enumerate(jobs):
-            roll = rolls[i][0]
+        for index, job in enumerate(jobs):
+            roll = rolls[index][0]
             toks, lp = roll.completion_ids, roll.logprobs
             finish = "length" if roll.finish_reason in ("length", "tool_limit") else "stop"
             if tok.eos_token_id in toks:
-                n = toks.index(tok.eos_token_id)
-                toks, lp = toks[:n], lp[:n]
+                eos_at = toks.index(tok.eos_token_id)
+                toks, lp = toks[:eos_at], lp[:eos_at]
             text = tok.decode(toks, skip_special_tokens=True)
-            if i in called:  # the call's `=` may end inside a merged token (`=<<`): what follows is not this turn's
-                text = text[: called[i]]
+            if index in called:  # the call's `=` may end inside a merged token (`=<<`): what follows is not this turn's
+                text = text[: called[index]]
             if job.sampling.stop:
                 cut, stopped = _cut_at_stop(text, job.sampling.stop)
                 if stopped:
-                    k = stopped_by.get(i) or next(
-                        k
-                        for k in range(1, len(toks) + 1)
-                        if _cut_at_stop(tok.decode(toks[:k], skip_special_tokens=True), job.sampling.stop)[1]
+                    kept = stopped_by.get(index) or next(
+                        kept
+                        for kept in range(1, len(toks) + 1)
+                        if _cut_at_stop(tok.decode(toks[:kept], skip_special_tokens=True), job.sampling.stop)[1]
                     )
-                    toks, lp, text, finish = toks[:k], lp[:k], cut, "stop"
-            if not job.stop_at_call or i not in called:
+                    toks, lp, text, finish = toks[:kept], lp[:kept], cut, "stop"
+            if not job.stop_at_call or index not in called:
                 self.send_text(job, text, loop)  # (a call's text is the client's to run, not content)
-            r = self._result(toks, lp, text, finish, len(job.prompt_ids))
-            r["tool_calls"] = [
+            result = self._result(toks, lp, text, finish, len(job.prompt_ids))
+            result["tool_calls"] = [
                 {"name": c["name"], "arguments": c["arguments"], "result": c["result"], "ok": c["ok"]}
                 for c in roll.calls
             ]
-            r["called"] = i in called
-            results.append(r)
+            result["called"] = index in called
+            results.append(result)
             self.tokens_generated += sum(roll.env_mask)
             self.jobs_cancelled += job.cancelled
         self.batches += 1
@@ -359,10 +359,10 @@ class Engine:
         answer, span = find_answer(text)
         # tokens whose decoded characters overlap the answer's characters
         chosen, prev = [], 0
-        for k in range(len(ids)):
-            end = len(tok.decode(ids[: k + 1], skip_special_tokens=True))
+        for position in range(len(ids)):
+            end = len(tok.decode(ids[: position + 1], skip_special_tokens=True))
             if span is None or (prev < span[1] and end > span[0]):
-                chosen.append(logprobs[k])
+                chosen.append(logprobs[position])
             prev = end
         finite = [x for x in chosen if x is not None and math.isfinite(x)]  # tool tokens (None) were not sampled
         confidence = math.exp(sum(finite) / len(finite)) if finite else 0.0
@@ -390,22 +390,22 @@ class Engine:
                 except asyncio.TimeoutError:
                     break
             groups: dict[tuple, list[Job]] = {}
-            for j in batch:
-                if j.cancelled:  # its client disconnected while it waited
+            for job in batch:
+                if job.cancelled:  # its client disconnected while it waited
                     self.jobs_cancelled += 1
                     continue
-                groups.setdefault(j.batch_key(), []).append(j)
+                groups.setdefault(job.batch_key(), []).append(job)
             for jobs in groups.values():
                 try:
                     results = await loop.run_in_executor(self.model_pool, self.run_batch, jobs, loop)
-                    for j, r in zip(jobs, results):
-                        if not j.future.done():
-                            j.future.set_result(r)
-                except Exception as e:  # surfaced to each waiting request
+                    for job, result in zip(jobs, results):
+                        if not job.future.done():
+                            job.future.set_result(result)
+                except Exception as error:  # surfaced to each waiting request
                     log.exception("generation failed")
-                    for j in jobs:
-                        if not j.future.done():
-                            j.future.set_exception(e)
+                    for job in jobs:
+                        if not job.future.done():
+                            job.future.set_exception(error)
 
     async def submit(self, job: Job, request: Optional[Request] = None) -> dict:
         """The job's result. Cancelling the caller (a streaming client that disconnected) or the client

@@ -31,11 +31,11 @@ class ClientGone(Exception):
     """The client of a plain request disconnected before its completion was ready."""
 
 
-def _clean(s: Any, limit: int = 200) -> str:
+def _clean(text: Any, limit: int = 200) -> str:
     """A string safe to put in a JSON error: valid UTF-8 (surrogates escaped), bounded length."""
-    s = str(s)
-    s = s if len(s) <= limit else s[:limit] + "..."
-    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = str(text)
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _is_openai(request: Request) -> bool:
@@ -102,10 +102,10 @@ def _describe(err: dict) -> dict:
 def _dedupe(errors: list[dict]) -> list[dict]:
     """A union (content, stop) reports one error per alternative: keep the first per field."""
     seen, out = set(), []
-    for e in errors:
-        if e["param"] not in seen:
-            seen.add(e["param"])
-            out.append(e)
+    for error in errors:
+        if error["param"] not in seen:
+            seen.add(error["param"])
+            out.append(error)
     return out[:10]
 
 

@@ -15,9 +15,9 @@ from typing import IO, Iterator, Optional
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float, log: Optional[Path] = None) -> dict:
@@ -31,9 +31,9 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float, log: Optio
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before {base}/health answered{where}")
         try:
-            r = httpx.get(base + "/health", timeout=2)
-            if r.status_code == 200:
-                return r.json()
+            response = httpx.get(base + "/health", timeout=2)
+            if response.status_code == 200:
+                return response.json()
         except httpx.HTTPError:
             pass
         time.sleep(0.1)

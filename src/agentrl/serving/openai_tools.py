@@ -46,12 +46,12 @@ CALL_OPENERS = {"inline": "<<", "chat": "<tool_call>\n"}
 
 
 # ----------------------------------------------------------------------------- request models
-def _valid_unicode(s: str) -> str:
+def _valid_unicode(text: str) -> str:
     try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"invalid Unicode: lone surrogate at character {e.start}") from None
-    return s
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"invalid Unicode: lone surrogate at character {error.start}") from None
+    return text
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
@@ -77,21 +77,21 @@ def _check_schema(schema: dict) -> dict:
         if nodes > MAX_SCHEMA_NODES:
             raise ValueError(f"more than {MAX_SCHEMA_NODES} values")
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        for k, v in items:
-            if isinstance(k, str):
-                _valid_unicode(k)
-            if isinstance(v, str):
-                _valid_unicode(v)
-            elif isinstance(v, float) and v != v:  # NaN cannot be rendered as JSON
+        for key, value in items:
+            if isinstance(key, str):
+                _valid_unicode(key)
+            if isinstance(value, str):
+                _valid_unicode(value)
+            elif isinstance(value, float) and value != value:  # NaN cannot be rendered as JSON
                 raise ValueError("contains NaN")
-            elif isinstance(v, (dict, list)):
-                stack.append((v, depth + 1))
+            elif isinstance(value, (dict, list)):
+                stack.append((value, depth + 1))
     return schema
 
 
-def _short(x: Any) -> str:
-    s = repr(x)
-    return s if len(s) <= 40 else s[:40] + "..."
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:40] + "..."
 
 
 class FunctionDef(Body):
@@ -165,8 +165,8 @@ def json_depth(raw: str) -> int:
     """How deeply `raw` nests objects and arrays (brackets inside strings do not count), in one linear pass, so
     a hostile depth is measured before `json.loads` recurses into it (RecursionError)."""
     depth = deepest = 0
-    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', raw)):
-        depth += 1 if m.group() in "[{" else -1
+    for bracket in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', raw)):
+        depth += 1 if bracket.group() in "[{" else -1
         deepest = max(deepest, depth)
     return deepest
 
@@ -197,8 +197,8 @@ def load_bounded_json(
         raise ToolRequestError(param, "must be a JSON object (as a string): not valid JSON") from None
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ToolRequestError(param, f"invalid Unicode: a lone surrogate escape at character {e.start}") from None
+    except UnicodeEncodeError as error:
+        raise ToolRequestError(param, f"invalid Unicode: a lone surrogate escape at character {error.start}") from None
     return value
 
 
@@ -269,9 +269,9 @@ def plan_tools(
         props = functions[name].properties()
         strings = [k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"]
         if len(props) != 1 or len(strings) != 1:
-            i = list(functions).index(name)
+            position = list(functions).index(name)
             raise ToolRequestError(
-                f"tools.{i}.function.parameters",
+                f"tools.{position}.function.parameters",
                 f"function {name!r}: the inline calculator syntax passes one string argument, so its parameters "
                 f"must have exactly one property, of type string (e.g. {{'expression': {{'type': 'string'}}}})",
             )
@@ -287,6 +287,101 @@ def _args(raw: str, param: str) -> dict:
     return args
 
 
+class _ConversationRenderer:
+    """render_conversation's state, message by message: the messages for the chat template so far, the calls of
+    the latest assistant message and their results, and (inline format) the assistant turn being built."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.out: list[dict] = []
+        self.pending: dict[str, Optional[str]] = {}  # call id -> its result (None until a tool message answers it)
+        self.order: list[tuple[str, str]] = []  # inline: (call id, expression) of the latest assistant message
+        self.turn: Optional[list[tuple[str, bool]]] = None  # inline: segments of the assistant turn being built
+
+    def close_turn(self) -> None:
+        """End the inline assistant turn being built, as one assistant message."""
+        if self.turn is not None:
+            self.out.append({"role": "assistant", "content": "".join(text for text, _ in self.turn)})
+            self.turn = None
+
+    def check_answered(self, where: str) -> None:
+        """Raise (naming `where`) when a call of the latest assistant message has no tool message answering it."""
+        missing = [call for call, result in self.pending.items() if result is None]
+        if missing:
+            raise ToolRequestError(where, f"the tool call {missing[0][:64]!r} is not answered by a tool message")
+
+    def add_tool_result(self, index: int, message: dict) -> None:
+        """A tool message: the result of one pending call (inline: once all are in, they join the turn in order)."""
+        cid = message.get("tool_call_id")
+        where = f"messages.{index}.tool_call_id"
+        if cid is None:
+            raise ToolRequestError(where, "required in a tool message")
+        if cid not in self.pending:
+            raise ToolRequestError(where, f"{cid[:64]!r} answers no tool call of the assistant message before it")
+        if self.pending[cid] is not None:
+            raise ToolRequestError(where, f"{cid[:64]!r} is answered twice")
+        self.pending[cid] = message["content"]
+        if self.fmt == "chat":
+            self.out.append({"role": "tool", "content": message["content"]})
+        elif all(self.pending[call] is not None for call, _ in self.order):  # results in the order of the calls
+            for call, expression in self.order:
+                self.turn += [(f"<<{expression}=", True), (f"{self.pending[call]}>>", False)]
+
+    def add_message(self, index: int, message: dict, previous_role: Optional[str]) -> None:
+        """Any message but a tool result: the calls before it must all be answered."""
+        role, calls = message["role"], message.get("tool_calls") or []
+        self.check_answered(f"messages.{index}")
+        continues = self.fmt == "inline" and role == "assistant" and self.turn is not None and previous_role == "tool"
+        self.pending, self.order = {}, []
+        if not continues:
+            self.close_turn()
+        if role != "assistant":
+            self.out.append({"role": role, "content": message["content"]})
+            return
+        for position, call in enumerate(calls):
+            if call["id"] in self.pending:
+                raise ToolRequestError(
+                    f"messages.{index}.tool_calls.{position}.id", f"{call['id'][:64]!r} is used twice"
+                )
+            self.pending[call["id"]] = None
+        if self.fmt == "chat":
+            self._add_chat_assistant(index, message, calls)
+        else:
+            self._add_inline_assistant(index, message, calls)
+
+    def _add_chat_assistant(self, index: int, message: dict, calls: list[dict]) -> None:
+        """chat format: the calls go to the template, their arguments as objects."""
+        where = f"messages.{index}.tool_calls"
+        assistant: dict = {"role": "assistant", "content": message["content"]}
+        if calls:
+            assistant["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": call["function"]["name"],
+                        "arguments": _args(call["function"]["arguments"], f"{where}.{position}.function.arguments"),
+                    },
+                }
+                for position, call in enumerate(calls)
+            ]
+        self.out.append(assistant)
+
+    def _add_inline_assistant(self, index: int, message: dict, calls: list[dict]) -> None:
+        """inline format: the content joins the turn; each call's one string argument waits for its result."""
+        where = f"messages.{index}.tool_calls"
+        self.turn = (self.turn or []) + [(message["content"], True)]
+        for position, call in enumerate(calls):
+            values = list(_args(call["function"]["arguments"], f"{where}.{position}.function.arguments").values())
+            if len(values) != 1 or not isinstance(values[0], str):
+                raise ToolRequestError(
+                    f"{where}.{position}.function.arguments",
+                    "this model's inline calculator syntax takes one string argument",
+                )
+            self.order.append((call["id"], values[0]))
+        if not calls:
+            self.close_turn()
+
+
 def render_conversation(messages: list[dict], fmt: str) -> tuple[list[dict], list[tuple[str, bool]]]:
     """(messages for the chat template, continuation) for a conversation that may hold tool calls.
 
@@ -297,85 +392,25 @@ def render_conversation(messages: list[dict], fmt: str) -> tuple[list[dict], lis
     assistant turn, `content<<args=result>>...`, continued by an assistant message right after the results;
     when the conversation ends inside that turn (its last message is a tool result) the turn is left open as
     `continuation`: (text, is_model_text) segments the policy continues, tokenized piece by piece as the
-    server-side loop builds them."""
-    out: list[dict] = []
-    pending: dict[str, Optional[str]] = {}  # call id -> its result (None until a tool message answers it)
-    order: list[tuple[str, str]] = []  # inline: (call id, expression) of the latest assistant message
-    turn: Optional[list[tuple[str, bool]]] = None  # inline: segments of the assistant turn being built
+    server-side loop builds them.
 
-    def close_turn():
-        nonlocal turn
-        if turn is not None:
-            out.append({"role": "assistant", "content": "".join(t for t, _ in turn)})
-            turn = None
+    Args:
+        messages: the request's messages, as dicts.
+        fmt: the policy's call format, inline or chat.
 
-    def check_answered(where: str):
-        missing = [c for c, r in pending.items() if r is None]
-        if missing:
-            raise ToolRequestError(where, f"the tool call {missing[0][:64]!r} is not answered by a tool message")
-
-    for i, m in enumerate(messages):
-        role, calls = m["role"], m.get("tool_calls") or []
-        if role == "tool":
-            cid = m.get("tool_call_id")
-            if cid is None:
-                raise ToolRequestError(f"messages.{i}.tool_call_id", "required in a tool message")
-            if cid not in pending:
-                raise ToolRequestError(
-                    f"messages.{i}.tool_call_id",
-                    f"{cid[:64]!r} answers no tool call of the assistant message before it",
-                )
-            if pending[cid] is not None:
-                raise ToolRequestError(f"messages.{i}.tool_call_id", f"{cid[:64]!r} is answered twice")
-            pending[cid] = m["content"]
-            if fmt == "chat":
-                out.append({"role": "tool", "content": m["content"]})
-            elif all(pending[c] is not None for c, _ in order):  # results in the order of the calls
-                for c, expr in order:
-                    turn += [(f"<<{expr}=", True), (f"{pending[c]}>>", False)]
-            continue
-        check_answered(f"messages.{i}")
-        continues = fmt == "inline" and role == "assistant" and turn is not None and messages[i - 1]["role"] == "tool"
-        pending, order = {}, []
-        if not continues:
-            close_turn()
-        if role != "assistant":
-            out.append({"role": role, "content": m["content"]})
-            continue
-        for j, c in enumerate(calls):
-            if c["id"] in pending:
-                raise ToolRequestError(f"messages.{i}.tool_calls.{j}.id", f"{c['id'][:64]!r} is used twice")
-            pending[c["id"]] = None
-        where = f"messages.{i}.tool_calls"
-        if fmt == "chat":
-            msg: dict = {"role": "assistant", "content": m["content"]}
-            if calls:
-                msg["tool_calls"] = [
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": c["function"]["name"],
-                            "arguments": _args(c["function"]["arguments"], f"{where}.{j}.function.arguments"),
-                        },
-                    }
-                    for j, c in enumerate(calls)
-                ]
-            out.append(msg)
-            continue
-        turn = (turn or []) + [(m["content"], True)]
-        for j, c in enumerate(calls):
-            values = list(_args(c["function"]["arguments"], f"{where}.{j}.function.arguments").values())
-            if len(values) != 1 or not isinstance(values[0], str):
-                raise ToolRequestError(
-                    f"{where}.{j}.function.arguments", "this model's inline calculator syntax takes one string argument"
-                )
-            order.append((c["id"], values[0]))
-        if not calls:
-            close_turn()
-    check_answered(f"messages.{len(messages) - 1}")
-    if turn is not None:  # the conversation ends with tool results: the policy continues its turn
-        return out, _merge(turn)
-    return out, []
+    Returns:
+        (messages for the chat template, continuation segments; empty unless an inline turn is left open).
+    """
+    renderer = _ConversationRenderer(fmt)
+    for index, message in enumerate(messages):
+        if message["role"] == "tool":
+            renderer.add_tool_result(index, message)
+        else:
+            renderer.add_message(index, message, messages[index - 1]["role"] if index else None)
+    renderer.check_answered(f"messages.{len(messages) - 1}")
+    if renderer.turn is not None:  # the conversation ends with tool results: the policy continues its turn
+        return renderer.out, _merge(renderer.turn)
+    return renderer.out, []
 
 
 def _merge(segments: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
@@ -419,8 +454,8 @@ def inline_call_end(text: str) -> Optional[int]:
 
     Returns:
         The end of the call's `=`, or None while no call is closed."""
-    m = _INLINE_CALL.search(text)
-    return None if m is None else m.end()
+    call = _INLINE_CALL.search(text)
+    return None if call is None else call.end()
 
 
 def safe_prefix(text: str, plan: ToolPlan) -> str:
@@ -437,9 +472,9 @@ def safe_prefix(text: str, plan: ToolPlan) -> str:
     if at >= 0:
         return text[:at]
     opener = "<tool_call>"
-    for k in range(len(opener) - 1, 0, -1):
-        if text.endswith(opener[:k]):
-            return text[:-k]
+    for length in range(len(opener) - 1, 0, -1):
+        if text.endswith(opener[:length]):
+            return text[:-length]
     return text
 
 
@@ -458,9 +493,9 @@ def parse_calls(text: str, plan: ToolPlan, called: bool) -> tuple[Optional[str],
     if not blocks:
         return text, []
     calls = []
-    for b in blocks:
+    for block in blocks:
         try:  # the policy's text is bounded like a client's: a runaway nesting is no call, never a 500
-            payload = load_bounded_json(b.group(1), "tool_call")
+            payload = load_bounded_json(block.group(1), "tool_call")
             name, args = payload["name"], payload.get("arguments", {})
             if isinstance(args, str):
                 args = load_bounded_json(args, "tool_call.arguments")

@@ -88,10 +88,10 @@ class ChatRequest(Body):
     parallel_tool_calls: Optional[bool] = None
 
 
-def usage(r: dict) -> dict:
+def usage(result: dict) -> dict:
     """OpenAI's `usage` of a completion result (engine.complete)."""
     return {
-        "prompt_tokens": r["prompt_tokens"],
-        "completion_tokens": r["tokens"],
-        "total_tokens": r["prompt_tokens"] + r["tokens"],
+        "prompt_tokens": result["prompt_tokens"],
+        "completion_tokens": result["tokens"],
+        "total_tokens": result["prompt_tokens"] + result["tokens"],
     }

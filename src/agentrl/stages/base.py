@@ -43,48 +43,76 @@ METRICS = "metrics/base.json"
 
 
 def arithmetic_facts(
-    n: int, lo: int, hi: int, max_value: int, seed: int, multiplier_max: int = MULTIPLIER_MAX
+    count: int, lo: int, hi: int, max_value: int, seed: int, multiplier_max: int = MULTIPLIER_MAX
 ) -> list[str]:
     """Random facts in the notation of the solutions ('x+b=y', 'x-b=y', 'x*b=y') over the values the
-    task uses: x in [0, max_value], b in [lo, hi] (multipliers 2..multiplier_max), results <= max_value."""
+    task uses: x in [0, max_value], b in [lo, hi] (multipliers 2..multiplier_max), results <= max_value.
+
+    Args:
+        count: how many facts.
+        lo: the smallest operand b.
+        hi: the largest operand b.
+        max_value: the largest x and result.
+        seed: the generator's seed.
+        multiplier_max: the largest multiplier.
+
+    Returns:
+        The facts, e.g. "12+5=17".
+    """
     rng = random.Random(seed)
     out = []
-    while len(out) < n:
+    while len(out) < count:
         op = rng.choice("+-*")
         if op == "*":
-            b = rng.randint(2, max(2, min(hi, multiplier_max)))
-            x = rng.randint(max(lo, 1), max(max(lo, 1), max_value // b))
-            out.append(f"{x}*{b}={x * b}")
+            operand = rng.randint(2, max(2, min(hi, multiplier_max)))
+            value = rng.randint(max(lo, 1), max(max(lo, 1), max_value // operand))
+            out.append(f"{value}*{operand}={value * operand}")
         elif op == "+":
-            b = rng.randint(max(lo, 1), hi)
-            x = rng.randint(0, max(0, max_value - b))
-            out.append(f"{x}+{b}={x + b}")
+            operand = rng.randint(max(lo, 1), hi)
+            value = rng.randint(0, max(0, max_value - operand))
+            out.append(f"{value}+{operand}={value + operand}")
         else:
-            x = rng.randint(max(lo, 1), max_value)
-            b = rng.randint(max(lo, 1), max(max(lo, 1), min(hi, x)))
-            out.append(f"{x}-{b}={x - b}")
+            value = rng.randint(max(lo, 1), max_value)
+            operand = rng.randint(max(lo, 1), max(max(lo, 1), min(hi, value)))
+            out.append(f"{value}-{operand}={value - operand}")
     return out
 
 
 def pretrain(model, tokenizer, docs: list[str], params: Params) -> dict:
-    """Short causal-LM pretraining with transformers' Trainer on packed blocks."""
+    """Short causal-LM pretraining with transformers' Trainer on packed blocks.
+
+    Args:
+        model: the tiny model.
+        tokenizer: its tokenizer.
+        docs: the pretraining documents.
+        params: the run's params.
+
+    Returns:
+        tokens, steps, first and final loss, runtime.
+    """
     from datasets import Dataset
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-    p = params.model.pretrain
+    pretrain_params = params.model.pretrain
     ids: list[int] = []
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids.extend(enc + [tokenizer.pad_token_id])  # <|endoftext|> between documents
-    n_blocks = len(ids) // p.block_size
-    blocks = [ids[i * p.block_size : (i + 1) * p.block_size] for i in range(n_blocks)]
+    n_blocks = len(ids) // pretrain_params.block_size
+    blocks = [ids[i * pretrain_params.block_size : (i + 1) * pretrain_params.block_size] for i in range(n_blocks)]
     ds = Dataset.from_dict({"input_ids": blocks})
-    log.info("pretraining on %d tokens (%d blocks of %d), %s epochs", len(ids), n_blocks, p.block_size, p.epochs)
+    log.info(
+        "pretraining on %d tokens (%d blocks of %d), %s epochs",
+        len(ids),
+        n_blocks,
+        pretrain_params.block_size,
+        pretrain_params.epochs,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
             output_dir=tmp,
-            per_device_train_batch_size=p.batch_size,
-            num_train_epochs=p.epochs,
-            learning_rate=p.learning_rate,
+            per_device_train_batch_size=pretrain_params.batch_size,
+            num_train_epochs=pretrain_params.epochs,
+            learning_rate=pretrain_params.learning_rate,
             lr_scheduler_type="cosine",
             warmup_steps=0.05,
             weight_decay=0.01,
@@ -114,6 +142,15 @@ def pretrain(model, tokenizer, docs: list[str], params: Params) -> dict:
 
 
 def build_tiny(params: Params) -> dict:
+    """The base stage for model.base_model tiny: train a tokenizer, build the Qwen3-architecture model,
+    pretrain it briefly and save models/base.
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The metrics written to metrics/base.json.
+    """
     from transformers import set_seed
 
     set_seed(params.seed)
@@ -174,6 +211,14 @@ def build_tiny(params: Params) -> dict:
 
 
 def from_hub(params: Params) -> dict:
+    """The base stage for a hub model: download model.base_model at model.revision into models/base.
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The metrics written to metrics/base.json.
+    """
     name, rev = params.model.base_model, params.model.revision
     log.info("loading %s at revision %s", name, rev)
     tokenizer = bake_chat_template_kwargs(load_tokenizer_hub(name, rev), params.model.chat_template_kwargs)
@@ -202,10 +247,20 @@ def from_hub(params: Params) -> dict:
 
 
 def load_tokenizer_hub(name: str, revision: str):
+    """A hub tokenizer at a revision.
+
+    Args:
+        name: the hub id.
+        revision: the revision.
+
+    Returns:
+        The tokenizer.
+    """
     return load_tokenizer(name, revision)  # a function of its own: the tests replace it (no hub access)
 
 
 def main() -> None:
+    """`python -m agentrl.stages.base`."""
     params = load_params_or_exit()
     t0 = time.time()
     log.info("device precision: %s", resolve_precision(params.model.precision))

@@ -70,15 +70,22 @@ class PublishError(RuntimeError):
 
 def read_seeds(path: Path = SEEDS) -> Optional[dict]:
     """The seed aggregate of `make seeds` (docs/seeds.json), or None when there is none yet (no file, or no
-    seeds in it). A file that is not such an aggregate is a ValueError naming it and what was expected."""
+    seeds in it). A file that is not such an aggregate is a ValueError naming it and what was expected.
+
+    Args:
+        path: the aggregate file.
+
+    Returns:
+        The aggregate, or None.
+    """
     import json
 
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); rerun `make seeds N=3`") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error}); rerun `make seeds N=3`") from None
     if not isinstance(data, dict) or not isinstance(data.get("seeds"), list):
         raise ValueError(f"{path}: expected an object with a 'seeds' list (scripts/seeds.py writes it)")
     if not data["seeds"]:
@@ -89,24 +96,32 @@ def read_seeds(path: Path = SEEDS) -> Optional[dict]:
     return data
 
 
-def _spread(s: Optional[dict], points: bool = False) -> str:
+def _spread(stats: Optional[dict], points: bool = False) -> str:
     """mean ± sd (min–max) of a fraction, as percent (or signed points)."""
-    if not s:
+    if not stats:
         return "–"
-    f = (lambda x: f"{100 * x:+.1f}") if points else (lambda x: f"{100 * x:.1f}%")
-    sd = "" if s.get("sd") is None else f" ± {100 * s['sd']:.1f}"
-    return f"{f(s['mean'])}{sd} ({f(s['min'])} … {f(s['max'])})"
+    show = (lambda x: f"{100 * x:+.1f}") if points else (lambda x: f"{100 * x:.1f}%")
+    sd = "" if stats.get("sd") is None else f" ± {100 * stats['sd']:.1f}"
+    return f"{show(stats['mean'])}{sd} ({show(stats['min'])} … {show(stats['max'])})"
 
 
 def seed_summary(seeds: Optional[dict], committed_seed: int) -> str:
     """Markdown: accuracy and tool use per stage over the seeds next to the committed run's seed, and GRPO - SFT
-    per seed and pooled; or a sentence saying no seed spread was recorded."""
+    per seed and pooled; or a sentence saying no seed spread was recorded.
+
+    Args:
+        seeds: read_seeds()'s aggregate, or None.
+        committed_seed: the seed of the run the card reports.
+
+    Returns:
+        The markdown.
+    """
     if not seeds:
         return (
             f"Not measured: this card reports one run (seed {committed_seed}). `make seeds N=3` runs the pipeline "
             f"over several seeds (DVC experiments) and records the spread in `{SEEDS}`."
         )
-    n, listed = len(seeds["seeds"]), ", ".join(map(str, seeds["seeds"]))
+    count, listed = len(seeds["seeds"]), ", ".join(map(str, seeds["seeds"]))
     inside = "includes" if committed_seed in seeds["seeds"] else "does not include"
     rows = [
         f"| {label} | {_spread(seeds['stages'].get(key, {}).get('accuracy'))} | "
@@ -114,10 +129,10 @@ def seed_summary(seeds: Optional[dict], committed_seed: int) -> str:
         for key, label in SEED_STAGES
         if key in seeds["stages"]
     ]
-    p = seeds["pooled"]
+    pooled = seeds["pooled"]
     return "\n".join(
         [
-            f"Over {n} seeds ({listed}; the set {inside} this run's seed {committed_seed}), each a whole pipeline "
+            f"Over {count} seeds ({listed}; the set {inside} this run's seed {committed_seed}), each a whole pipeline "
             f"run with its own problems (`{SEEDS}`, `make seeds`): mean ± sample sd (min … max).",
             "",
             "| model | accuracy | tool use |",
@@ -125,8 +140,8 @@ def seed_summary(seeds: Optional[dict], committed_seed: int) -> str:
             *rows,
             "",
             f"GRPO − SFT: {_spread(seeds['grpo_minus_sft'], points=True)} points; pooled over the seeds "
-            f"{p['gained']} problems gained and {p['lost']} lost of {p['problems']}, exact McNemar p = "
-            f"{p['p_value']:.2g}.",
+            f"{pooled['gained']} problems gained and {pooled['lost']} lost of {pooled['problems']}, exact McNemar p = "
+            f"{pooled['p_value']:.2g}.",
         ]
     )
 
@@ -143,8 +158,8 @@ def git_state() -> dict:
     results, dvc.lock, metrics/ and diagnostics/, are left out: `dvc repro` rewrites them as it goes)."""
 
     def git(*args: str) -> Optional[str]:
-        r = subprocess.run(["git", *args], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
+        result = subprocess.run(["git", *args], capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
     if commit is None:
@@ -153,77 +168,86 @@ def git_state() -> dict:
     return {"commit": commit, "changed": sorted(line for line in changed.splitlines() if line.strip())}
 
 
-def _pct(x: Optional[float]) -> str:
-    return "–" if x is None else f"{100 * x:.1f}%"
+def _pct(fraction: Optional[float]) -> str:
+    return "–" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def _ci(ci: Optional[list]) -> str:
     return "–" if not ci else f"{100 * ci[0]:.1f}–{100 * ci[1]:.1f}%"
 
 
-def _signed(x: float) -> str:
-    return f"{100 * x:+.1f}"
+def _signed(fraction: float) -> str:
+    return f"{100 * fraction:+.1f}"
 
 
 def collect(params: Params) -> dict:
-    """Everything the card reports, from params and the run's metrics files (no model is loaded)."""
-    m = {Path(f).stem: _read(f) for f in METRICS_FILES}
+    """Everything the card reports, from params and the run's metrics files (no model is loaded).
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        params, metrics (by stage), git state, merged_digest and seeds.
+    """
     return {
         "params": params,
-        "metrics": m,
+        "metrics": {Path(f).stem: _read(f) for f in METRICS_FILES},
         "git": git_state(),
         "merged_digest": model_files_digest(MERGED),
         "seeds": read_seeds(),
     }
 
 
-def _base_model_line(p: Params, base: dict) -> str:
-    if p.model.base_model == "tiny":
-        t = p.model.tiny
+def _base_model_line(params: Params, base: dict) -> str:
+    if params.model.base_model == "tiny":
+        tiny = params.model.tiny
         return (
             f"`tiny`: a {base.get('parameters', '?'):,}-parameter Qwen3-architecture model (hidden "
-            f"{t.hidden_size}, {t.num_hidden_layers} layer{'s' if t.num_hidden_layers != 1 else ''}, vocab "
+            f"{tiny.hidden_size}, {tiny.num_hidden_layers} layer{'s' if tiny.num_hidden_layers != 1 else ''}, vocab "
             f"{base.get('vocab_size', '?')}) with its own "
             f"tokenizer, built and pre-trained locally by the `base` stage (no hub download)"
         )
-    resolved = base.get("resolved_commit")
-    return f"[`{p.model.base_model}`](https://huggingface.co/{p.model.base_model}) at revision `{p.model.revision}`" + (
+    hub_id, resolved = params.model.base_model, base.get("resolved_commit")
+    return f"[`{hub_id}`](https://huggingface.co/{hub_id}) at revision `{params.model.revision}`" + (
         f" (resolved commit `{resolved}`)" if resolved else ""
     )
 
 
-def _data_line(p: Params, prep: dict) -> str:
-    d = p.data
-    if d.source == "synthetic":
-        src = f"the seeded synthetic GSM8K-format generator (`data.synthetic`, seed {p.seed})"
-    elif d.source == "gsm8k":
+def _data_line(params: Params, prep: dict) -> str:
+    data = params.data
+    if data.source == "synthetic":
+        src = f"the seeded synthetic GSM8K-format generator (`data.synthetic`, seed {params.seed})"
+    elif data.source == "gsm8k":
         src = (
-            f"[`{d.hub_dataset}`](https://huggingface.co/datasets/{d.hub_dataset}) config `{d.hub_config}`, "
-            f"revision `{d.hub_revision or 'main'}`"
+            f"[`{data.hub_dataset}`](https://huggingface.co/datasets/{data.hub_dataset}) config `{data.hub_config}`, "
+            f"revision `{data.hub_revision or 'main'}`"
         )
     else:
-        src = f"local JSONL files `{d.train_file}` (train) and `{d.test_file}` (test)"
-    w = prep.get("written", {})
+        src = f"local JSONL files `{data.train_file}` (train) and `{data.test_file}` (test)"
+    written = prep.get("written", {})
     dropped = prep.get("dropped", {}).get("total", 0)
     return (
-        f"{src}: {w.get('sft_train', '?'):,} SFT / {w.get('rl_train', '?'):,} GRPO training problems, "
-        f"{w.get('test', '?'):,} held-out test problems ({dropped} rows dropped by the quality checks)"
+        f"{src}: {written.get('sft_train', '?'):,} SFT / {written.get('rl_train', '?'):,} GRPO training problems, "
+        f"{written.get('test', '?'):,} held-out test problems ({dropped} rows dropped by the quality checks)"
     )
 
 
-def render(info: dict) -> str:
-    """The card's text: YAML metadata (ModelCardData) + a markdown body."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+def _eval_results(params: Params, evals: dict) -> list:
+    """The card metadata's eval results (huggingface_hub EvalResult): the merged model's fp32 and int8 accuracy.
 
-    p: Params = info["params"]
-    m = info["metrics"]
-    git = info["git"]
-    evals = {key: m[Path(f).stem] for key, _, f in EVAL_ROWS}
-    q, cmp, exp = m["quantize"], m["compare"], m["export"]
-    int8 = "int8_accuracy" in q
-    hub_base = p.model.base_model if "/" in p.model.base_model else None
-    dataset_name = p.data.hub_dataset if p.data.source == "gsm8k" else f"agentrl {p.data.source} held-out test set"
-    results = [
+    Args:
+        params: the run's params (the data source names the dataset).
+        evals: EVAL_ROWS key -> that evaluation's metrics.
+
+    Returns:
+        One EvalResult per evaluation that has an accuracy.
+    """
+    from huggingface_hub import EvalResult
+
+    dataset_name = (
+        params.data.hub_dataset if params.data.source == "gsm8k" else f"agentrl {params.data.source} held-out test set"
+    )
+    return [
         EvalResult(
             task_type="text-generation",
             dataset_type=dataset_name,
@@ -239,105 +263,183 @@ def render(info: dict) -> str:
         )
         if "accuracy" in evals[key]
     ]
-    data = ModelCardData(
+
+
+def _card_data(info: dict, evals: dict) -> Any:
+    """The card's YAML metadata (ModelCardData), with the run's provenance under `agentrl`.
+
+    Args:
+        info: collect()'s dict.
+        evals: EVAL_ROWS key -> that evaluation's metrics.
+
+    Returns:
+        The huggingface_hub ModelCardData.
+    """
+    from huggingface_hub import ModelCardData
+
+    params: Params = info["params"]
+    metrics, git = info["metrics"], info["git"]
+    return ModelCardData(
         model_name="agentrl merged policy (SFT + GRPO)",
-        base_model=hub_base,
+        base_model=params.model.base_model if "/" in params.model.base_model else None,
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["agentrl", "trl", "sft", "grpo", "dvc", "math-word-problems"],
-        datasets=[p.data.hub_dataset] if p.data.source == "gsm8k" else None,
+        datasets=[params.data.hub_dataset] if params.data.source == "gsm8k" else None,
         metrics=["accuracy"],
-        eval_results=results,
+        eval_results=_eval_results(params, evals),
         agentrl={
             "git_commit": git["commit"],
             "uncommitted_changes": git["changed"],
             "merged_model_digest": info["merged_digest"],
-            "base_model": p.model.base_model,
-            "base_model_revision": p.model.revision,
-            "base_model_resolved_commit": m["base"].get("resolved_commit"),
-            "data_source": p.data.source,
-            "test_problems": m["prepare"].get("written", {}).get("test"),
-            "int8_accuracy": q.get("int8_accuracy"),
-            "tools": list(p.agent.tools),
+            "base_model": params.model.base_model,
+            "base_model_revision": params.model.revision,
+            "base_model_resolved_commit": metrics["base"].get("resolved_commit"),
+            "data_source": params.data.source,
+            "test_problems": metrics["prepare"].get("written", {}).get("test"),
+            "int8_accuracy": metrics["quantize"].get("int8_accuracy"),
+            "tools": list(params.agent.tools),
             "seeds_in_spread": (info.get("seeds") or {}).get("seeds", []),
         },
     )
 
+
+def _tool_cells(evaluation: dict) -> str:
+    """The tool-use cells of one accuracy-table row: use rate, calls per problem, error rate ("–" when absent)."""
+    cells = []
+    for key in TOOL_KEYS:
+        if key not in evaluation:
+            cells.append("–")
+        elif key == "tool_calls_per_problem":
+            cells.append(f"{evaluation[key]:.2f}")
+        else:
+            cells.append(_pct(evaluation[key]))
+    return " " + " | ".join(cells) + " |"
+
+
+def _accuracy_table(evals: dict, tools_seen: bool) -> str:
+    """The markdown table of held-out accuracy per evaluation (with tool-use columns when any evaluation has them).
+
+    Args:
+        evals: EVAL_ROWS key -> that evaluation's metrics.
+        tools_seen: whether any evaluation recorded tool use.
+
+    Returns:
+        The table: header, separator and one row per EVAL_ROWS entry.
+    """
     rows = []
-    tools_seen = any(k in evals[s] for s in evals for k in TOOL_KEYS)
-    for key, label, f in EVAL_ROWS:
-        e = evals[key]
-        if "accuracy" not in e:
-            rows.append(
-                f"| {label} | not evaluated ({e.get('skipped', 'see ' + f)}) | | | |" + (" | | |" if tools_seen else "")
-            )
+    for key, label, metrics_file in EVAL_ROWS:
+        evaluation = evals[key]
+        if "accuracy" not in evaluation:
+            skipped = evaluation.get("skipped", "see " + metrics_file)
+            rows.append(f"| {label} | not evaluated ({skipped}) | | | |" + (" | | |" if tools_seen else ""))
             continue
         row = (
-            f"| {label} | **{_pct(e['accuracy'])}** | {_ci(e.get('accuracy_ci95'))} | {e.get('num_samples', '–')} | "
-            f"{e.get('format_rate', 0):.2f} |"
+            f"| {label} | **{_pct(evaluation['accuracy'])}** | {_ci(evaluation.get('accuracy_ci95'))} | "
+            f"{evaluation.get('num_samples', '–')} | {evaluation.get('format_rate', 0):.2f} |"
         )
-        if tools_seen:
-            row += (
-                " "
-                + " | ".join(
-                    "–" if k not in e else (_pct(e[k]) if k != "tool_calls_per_problem" else f"{e[k]:.2f}")
-                    for k in TOOL_KEYS
-                )
-                + " |"
-            )
-        rows.append(row)
+        rows.append(row + _tool_cells(evaluation) if tools_seen else row)
     head = "| model | accuracy | 95% CI (Wilson) | problems | format rate |"
-    sep = "|---|---|---|---|---|"
+    separator = "|---|---|---|---|---|"
     if tools_seen:
         head += " tool use | tool calls / problem | tool error rate |"
-        sep += "---|---|---|"
+        separator += "---|---|---|"
+    return "\n".join([head, separator, "\n".join(rows)])
 
-    g, s = cmp.get("grpo_vs_sft", {}), cmp.get("sft_vs_base", {})
+
+def _paired_tests(comparison: dict) -> str:
+    """The paired GRPO − SFT and SFT − base tests of the compare stage as markdown bullets, or a sentence."""
     paired = []
-    for name, t in (("GRPO − SFT", g), ("SFT − base", s)):
-        if t:
+    for name, test in (
+        ("GRPO − SFT", comparison.get("grpo_vs_sft", {})),
+        ("SFT − base", comparison.get("sft_vs_base", {})),
+    ):
+        if test:
             paired.append(
-                f"- **{name} = {_signed(t['difference'])} points**, paired-bootstrap 95% CI "
-                f"{_signed(t['ci95'][0])} … {_signed(t['ci95'][1])}, exact McNemar p = {t['p_value']:.2g} "
-                f"({t['only_after_correct']} problems gained, {t['only_before_correct']} lost, n = {t['n']})"
+                f"- **{name} = {_signed(test['difference'])} points**, paired-bootstrap 95% CI "
+                f"{_signed(test['ci95'][0])} … {_signed(test['ci95'][1])}, exact McNemar p = {test['p_value']:.2g} "
+                f"({test['only_after_correct']} problems gained, {test['only_before_correct']} lost, n = {test['n']})"
             )
+    return "\n".join(paired) if paired else "No paired comparison recorded."
 
-    if p.agent.tools:
-        tools = (
-            f"The policy calls tools while it solves a problem: `agent.tools: {list(p.agent.tools)}`, format "
-            f"`{p.agent.format}`, at most {p.agent.max_tool_calls} calls per completion (calculator input at most "
-            f"{p.agent.max_expression_chars} characters). The same tool loop ran in SFT data, GRPO rollouts, "
-            "evaluation, and runs in `make serve`. Tool use per stage is in the table above "
-            "(share of problems with a call, calls per problem, share of calls that returned an error)."
-        )
-        if not tools_seen:
-            tools += " The evaluation metrics of this run carry no tool-use counts."
-    else:
-        tools = "None: this model was trained and evaluated without tools (`agent.tools: []`)."
 
-    if int8:
-        quant = (
-            f"`export.quantize: int8` ({q.get('int8_backend')}): held-out accuracy {_pct(q['int8_accuracy'])} "
-            f"against {_pct(q['merged_accuracy'])} in fp32 ({_signed(q['accuracy_delta'])} points), measured speed "
-            f"ratio int8/fp32 {q['int8_speed_ratio']:.2f}× in this run on this machine (> 1: int8 is faster)."
-        )
-    else:
-        quant = f"Not evaluated (`export.quantize: {q.get('quantize', 'none')}`)."
+def _tools_section(params: Params, tools_seen: bool) -> str:
+    """The card's "Tool use" paragraph: the tools and call format the policy was trained with, or that it had none."""
+    agent = params.agent
+    if not agent.tools:
+        return "None: this model was trained and evaluated without tools (`agent.tools: []`)."
+    tools = (
+        f"The policy calls tools while it solves a problem: `agent.tools: {list(agent.tools)}`, format "
+        f"`{agent.format}`, at most {agent.max_tool_calls} calls per completion (calculator input at most "
+        f"{agent.max_expression_chars} characters). The same tool loop ran in SFT data, GRPO rollouts, "
+        "evaluation, and runs in `make serve`. Tool use per stage is in the table above "
+        "(share of problems with a call, calls per problem, share of calls that returned an error)."
+    )
+    if not tools_seen:
+        tools += " The evaluation metrics of this run carry no tool-use counts."
+    return tools
 
-    system = f"system prompt: `{p.data.system_prompt}`" if p.data.system_prompt else "no system prompt"
-    sft, grpo = m["sft_train"], m["grpo_train"]
-    trained = {k: p.model_dump(mode="json")[k] for k in CARD_PARAMS}
-    if git["commit"]:
-        code = f"git commit `{git['commit']}`"
-        code += (
-            f"; files that differed from it when the card was written: {', '.join(f'`{c}`' for c in git['changed'][:10])}"
-            + (" …" if len(git["changed"]) > 10 else "")
-            if git["changed"]
-            else " (no uncommitted changes to tracked files)"
-        )
-    else:
-        code = "unknown (not run in a git checkout)"
 
+def _int8_section(quantized: dict) -> str:
+    """The card's "int8" paragraph from the quantize stage's metrics: int8 against fp32 accuracy and speed."""
+    if "int8_accuracy" not in quantized:
+        return f"Not evaluated (`export.quantize: {quantized.get('quantize', 'none')}`)."
+    return (
+        f"`export.quantize: int8` ({quantized.get('int8_backend')}): held-out accuracy "
+        f"{_pct(quantized['int8_accuracy'])} against {_pct(quantized['merged_accuracy'])} in fp32 "
+        f"({_signed(quantized['accuracy_delta'])} points), measured speed ratio int8/fp32 "
+        f"{quantized['int8_speed_ratio']:.2f}× in this run on this machine (> 1: int8 is faster)."
+    )
+
+
+def _code_line(git: dict) -> str:
+    """The git commit the card was made from, and up to 10 tracked files that differed from it."""
+    if not git["commit"]:
+        return "unknown (not run in a git checkout)"
+    if not git["changed"]:
+        return f"git commit `{git['commit']}` (no uncommitted changes to tracked files)"
+    changed = ", ".join(f"`{path}`" for path in git["changed"][:10])
+    more = " …" if len(git["changed"]) > 10 else ""
+    return f"git commit `{git['commit']}`; files that differed from it when the card was written: {changed}{more}"
+
+
+def _how_it_was_made(info: dict) -> str:
+    """The card's "How it was made" bullets: base model, data, SFT, GRPO, the merge check, code and weights."""
+    params: Params = info["params"]
+    metrics = info["metrics"]
+    sft, grpo, export = metrics["sft_train"], metrics["grpo_train"], metrics["export"]
+    nan = float("nan")
+    return f"""- **Base model:** {_base_model_line(params, metrics["base"])}.
+- **Data:** {_data_line(params, metrics["prepare"])}.
+- **SFT:** {sft.get("steps", "?")} steps, {"LoRA" if params.sft.use_lora else "all weights"}, learning rate {sft.get("learning_rate", "?")},
+  loss {sft.get("first_loss", nan):.3f} → {sft.get("final_loss", nan):.3f}.
+- **GRPO:** {grpo.get("steps", "?")} steps of {grpo.get("completions_per_step", "?")} completions, LoRA r={params.grpo.lora.get("r", "?")},
+  learning rate {grpo.get("learning_rate", "?")}, KL β {grpo.get("beta", "?")}, rewards {dict(params.grpo.rewards)};
+  mean reward {grpo.get("reward_first", nan):.3f} (first step) → {grpo.get("reward_last", nan):.3f} (last).
+- **Merge check:** max |logit difference| merged vs adapter model {export.get("max_abs_logit_diff", nan):.2g}
+  (tolerance {export.get("tolerance", "?")}), greedy completions identical on {export.get("greedy_identical_count", "?")}/{export.get("num_prompts", "?")}
+  prompts; {export.get("parameters", "?"):,} parameters.
+- **Code:** {_code_line(info["git"])}.
+- **Weights:** digest `{info["merged_digest"]}` of the files of `models/merged` (`agentrl.common.model_files_digest`)."""
+
+
+def render(info: dict) -> str:
+    """The card's text: YAML metadata (ModelCardData) + a markdown body.
+
+    Args:
+        info: collect()'s dict: params, metrics (by stage), git state, merged_digest, seeds.
+
+    Returns:
+        The model card (huggingface_hub ModelCard content), front matter included.
+    """
+    from huggingface_hub import ModelCard
+
+    params: Params = info["params"]
+    metrics = info["metrics"]
+    evals = {key: metrics[Path(metrics_file).stem] for key, _, metrics_file in EVAL_ROWS}
+    tools_seen = any(key in evaluation for evaluation in evals.values() for key in TOOL_KEYS)
+    system = f"system prompt: `{params.data.system_prompt}`" if params.data.system_prompt else "no system prompt"
+    trained = {key: params.model_dump(mode="json")[key] for key in CARD_PARAMS}
     body = f"""
 # agentrl merged policy (SFT + GRPO)
 
@@ -347,40 +449,27 @@ adapter are merged into the base weights (`merge_and_unload`), so plain `transfo
 
 ## How it was made
 
-- **Base model:** {_base_model_line(p, m["base"])}.
-- **Data:** {_data_line(p, m["prepare"])}.
-- **SFT:** {sft.get("steps", "?")} steps, {"LoRA" if p.sft.use_lora else "all weights"}, learning rate {sft.get("learning_rate", "?")},
-  loss {sft.get("first_loss", float("nan")):.3f} → {sft.get("final_loss", float("nan")):.3f}.
-- **GRPO:** {grpo.get("steps", "?")} steps of {grpo.get("completions_per_step", "?")} completions, LoRA r={p.grpo.lora.get("r", "?")},
-  learning rate {grpo.get("learning_rate", "?")}, KL β {grpo.get("beta", "?")}, rewards {dict(p.grpo.rewards)};
-  mean reward {grpo.get("reward_first", float("nan")):.3f} (first step) → {grpo.get("reward_last", float("nan")):.3f} (last).
-- **Merge check:** max |logit difference| merged vs adapter model {exp.get("max_abs_logit_diff", float("nan")):.2g}
-  (tolerance {exp.get("tolerance", "?")}), greedy completions identical on {exp.get("greedy_identical_count", "?")}/{exp.get("num_prompts", "?")}
-  prompts; {exp.get("parameters", "?"):,} parameters.
-- **Code:** {code}.
-- **Weights:** digest `{info["merged_digest"]}` of the files of `models/merged` (`agentrl.common.model_files_digest`).
+{_how_it_was_made(info)}
 
 ## Held-out accuracy
 
 Greedy decoding on the held-out test split (`eval.*` params), answers extracted after `####`.
 
-{head}
-{sep}
-{chr(10).join(rows)}
+{_accuracy_table(evals, tools_seen)}
 
-{chr(10).join(paired) if paired else "No paired comparison recorded."}
+{_paired_tests(metrics["compare"])}
 
 ### Over seeds
 
-{seed_summary(info.get("seeds"), p.seed)}
+{seed_summary(info.get("seeds"), params.seed)}
 
 ## Tool use
 
-{tools}
+{_tools_section(params, tools_seen)}
 
 ## int8
 
-{quant}
+{_int8_section(metrics["quantize"])}
 
 ## How to use it
 
@@ -397,7 +486,7 @@ chat template ({system}). Serve it with the `agent:` params it was trained with.
 ## Reproduce
 
 ```bash
-git checkout {git["commit"] or "<commit>"}
+git checkout {info["git"]["commit"] or "<commit>"}
 make pull      # the cached models and outputs from the DVC remote; or `make repro` to retrain
 ```
 
@@ -407,16 +496,25 @@ make pull      # the cached models and outputs from the DVC remote; or `make rep
 {yaml.safe_dump(trained, sort_keys=False, allow_unicode=True).rstrip()}
 ```
 """
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+    return ModelCard(f"---\n{_card_data(info, evals).to_yaml()}\n---\n{body}").content
 
 
 def write_card(params: Params, path: Path = CARD) -> Path:
+    """Render the card and write it (parsed back first: a card that does not render is an error here).
+
+    Args:
+        params: the run's params.
+        path: where the card goes.
+
+    Returns:
+        The path written.
+    """
     text = render(collect(params))
     from huggingface_hub import ModelCard
 
     ModelCard(text)  # parses the metadata back: a card that does not render is an error here, not on the hub
-    with atomic_write(path) as f:
-        f.write(text)
+    with atomic_write(path) as out:
+        out.write(text)
     log.info("model card written to %s", path)
     return path
 
@@ -431,6 +529,16 @@ def pipeline_changes() -> dict:
 
 
 def publish(repo_id: str, private: bool = False) -> Any:
+    """Upload models/merged and its card to the hub in one commit (`make publish`), after checking the token,
+    the repository id, that the pipeline is up to date and that the card was written for these weights.
+
+    Args:
+        repo_id: <user or org>/<name>.
+        private: create the repository private.
+
+    Returns:
+        The hub's commit info. PublishError saying what is missing.
+    """
     token = os.environ.get(TOKEN_ENV, "").strip()
     if not token:
         raise PublishError(
@@ -459,8 +567,11 @@ def publish(repo_id: str, private: bool = False) -> Any:
             f"{CARD} was written for models/merged with digest {written_for}, but models/merged now has "
             f"{now}; run `dvc repro card` (or `make pull`)"
         )
-    files = sorted(f for f in MERGED.rglob("*") if f.is_file() and f.name != "README.md")
-    ops = [CommitOperationAdd(path_in_repo=f.relative_to(MERGED).as_posix(), path_or_fileobj=str(f)) for f in files]
+    files = sorted(path for path in MERGED.rglob("*") if path.is_file() and path.name != "README.md")
+    ops = [
+        CommitOperationAdd(path_in_repo=path.relative_to(MERGED).as_posix(), path_or_fileobj=str(path))
+        for path in files
+    ]
     ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(CARD)))
     commit = (card.data.to_dict().get("agentrl") or {}).get("git_commit")
     api = HfApi(token=token)
@@ -477,15 +588,16 @@ def publish(repo_id: str, private: bool = False) -> Any:
 
 
 def main() -> None:
+    """`python -m agentrl.stages.card [--publish REPO_ID]`."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--publish", metavar="REPO_ID", help=f"upload models/merged + the card (needs {TOKEN_ENV})")
     ap.add_argument("--private", action="store_true", help="create the hub repository private")
-    a = ap.parse_args()
-    if a.publish is not None:
+    args = ap.parse_args()
+    if args.publish is not None:
         try:
-            publish(a.publish, private=a.private)
-        except PublishError as e:
-            print(f"make publish: {e}", file=sys.stderr)
+            publish(args.publish, private=args.private)
+        except PublishError as error:
+            print(f"make publish: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         return
     write_card(load_params_or_exit())

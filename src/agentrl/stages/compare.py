@@ -24,41 +24,69 @@ TOOL_KEYS = ("tool_use_rate", "tool_calls_per_problem", "tool_error_rate")
 log = get_logger("compare")
 
 
-def mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact McNemar p-value for b and c discordant pairs."""
-    n = b + c
-    if n == 0:
+def mcnemar_exact(only_before: int, only_after: int) -> float:
+    """Two-sided exact McNemar p-value for the discordant pairs (McNemar's b and c).
+
+    Args:
+        only_before: pairs right before and wrong after.
+        only_after: pairs wrong before and right after.
+
+    Returns:
+        The p-value (1.0 without discordant pairs).
+    """
+    discordant = only_before + only_after
+    if discordant == 0:
         return 1.0
-    k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    fewer = min(only_before, only_after)
+    tail = sum(math.comb(discordant, i) for i in range(fewer + 1)) / 2**discordant
     return min(1.0, 2 * tail)
 
 
-def paired_bootstrap_ci(x: list[int], y: list[int], seed: int, resamples: int = 2000) -> tuple[float, float]:
-    """95% CI of mean(y) - mean(x) over problems resampled with replacement (pairs kept)."""
-    n = len(x)
+def paired_bootstrap_ci(before: list[int], after: list[int], seed: int, resamples: int = 2000) -> tuple[float, float]:
+    """95% CI of mean(after) - mean(before) over problems resampled with replacement (pairs kept).
+
+    Args:
+        before: 1/0 correctness per problem, before.
+        after: the same problems' correctness after.
+        seed: the resampling's seed.
+        resamples: how many bootstrap resamples.
+
+    Returns:
+        (low, high) of the difference in accuracy.
+    """
+    problems = len(before)
     rng = random.Random(seed)
-    diffs = [y_ - x_ for x_, y_ in zip(x, y)]
-    stats = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    diffs = [later - earlier for earlier, later in zip(before, after)]
+    stats = sorted(sum(diffs[rng.randrange(problems)] for _ in range(problems)) / problems for _ in range(resamples))
     return stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
 
 
-def paired_test(a: dict[str, bool], b: dict[str, bool], seed: int) -> dict:
-    """Compare correctness of two systems on the same problem ids (a = before, b = after)."""
-    ids = sorted(set(a) & set(b))
+def paired_test(before: dict[str, bool], after: dict[str, bool], seed: int) -> dict:
+    """Compare correctness of two systems on the same problem ids.
+
+    Args:
+        before: problem id -> correct, the earlier system (e.g. SFT).
+        after: problem id -> correct, the later one (e.g. GRPO).
+        seed: the bootstrap's seed.
+
+    Returns:
+        n, difference, only_before_correct, only_after_correct, p_value (exact McNemar), ci95 (paired bootstrap),
+        test. ValueError when the two share no problem id.
+    """
+    ids = sorted(set(before) & set(after))
     if not ids:
         raise ValueError("no common problem ids between the two prediction files")
-    x = [int(a[i]) for i in ids]
-    y = [int(b[i]) for i in ids]
-    only_a = sum(1 for u, v in zip(x, y) if u and not v)
-    only_b = sum(1 for u, v in zip(x, y) if v and not u)
-    lo, hi = paired_bootstrap_ci(x, y, seed)
+    was = [int(before[i]) for i in ids]
+    now = [int(after[i]) for i in ids]
+    only_before = sum(1 for earlier, later in zip(was, now) if earlier and not later)
+    only_after = sum(1 for earlier, later in zip(was, now) if later and not earlier)
+    lo, hi = paired_bootstrap_ci(was, now, seed)
     return {
         "n": len(ids),
-        "difference": (sum(y) - sum(x)) / len(ids),
-        "only_before_correct": only_a,
-        "only_after_correct": only_b,
-        "p_value": mcnemar_exact(only_a, only_b),
+        "difference": (sum(now) - sum(was)) / len(ids),
+        "only_before_correct": only_before,
+        "only_after_correct": only_after,
+        "p_value": mcnemar_exact(only_before, only_after),
         "ci95": [round(lo, 4), round(hi, 4)],
         "test": "exact McNemar; paired bootstrap CI (2000 resamples)",
     }
@@ -67,25 +95,41 @@ def paired_test(a: dict[str, bool], b: dict[str, bool], seed: int) -> dict:
 def read_predictions(path: str | Path, required: tuple[str, ...] = ("id", "correct")) -> list[dict]:
     """The rows of an evaluation's predictions file (`eval/<stage>/predictions.jsonl`, or a copy gzipped as
     `.jsonl.gz`, as docs/envs keeps them), each a JSON object with at least the `required` keys. A bad line is a
-    ValueError naming the file and the line (what scripts/paired_test.py and scripts/gridworld_failures.py read)."""
+    ValueError naming the file and the line (what scripts/paired_test.py and scripts/gridworld_failures.py read).
+
+    Args:
+        path: the predictions file (.jsonl or .jsonl.gz).
+        required: the keys every row must have.
+
+    Returns:
+        The rows.
+    """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: not JSON ({error})") from None
             if not isinstance(row, dict) or any(k not in row for k in required):
-                raise ValueError(f"{path}:{n}: expected a JSON object with {', '.join(map(repr, required))}")
+                raise ValueError(f"{path}:{number}: expected a JSON object with {', '.join(map(repr, required))}")
             rows.append(row)
     return rows
 
 
 def correctness(stage: str) -> dict[str, bool]:
+    """problem id -> correct, from a stage's eval/<stage>/predictions.jsonl.
+
+    Args:
+        stage: base, sft or grpo.
+
+    Returns:
+        The mapping.
+    """
     return {r["id"]: bool(r["correct"]) for r in load_jsonl(Path("eval") / stage / "predictions.jsonl")}
 
 
@@ -104,19 +148,20 @@ def paired_by_environment(before: list[dict], after: list[dict], seed: int) -> d
     names = sorted({r["environment"] for r in before + after if "environment" in r})
     out = {}
     for name in names:
-        a = {r["id"]: bool(r["correct"]) for r in before if r.get("environment") == name}
-        b = {r["id"]: bool(r["correct"]) for r in after if r.get("environment") == name}
-        ids = set(a) & set(b)
-        test = paired_test(a, b, seed)
+        was = {r["id"]: bool(r["correct"]) for r in before if r.get("environment") == name}
+        now = {r["id"]: bool(r["correct"]) for r in after if r.get("environment") == name}
+        ids = set(was) & set(now)
+        test = paired_test(was, now, seed)
         out[name] = {
-            "sft_accuracy": sum(a[i] for i in ids) / len(ids),
-            "grpo_accuracy": sum(b[i] for i in ids) / len(ids),
+            "sft_accuracy": sum(was[i] for i in ids) / len(ids),
+            "grpo_accuracy": sum(now[i] for i in ids) / len(ids),
             **test,
         }
     return out
 
 
 def main() -> None:
+    """The compare stage: accuracy per stage and the paired tests -> metrics/compare.json."""
     params = load_params_or_exit()
     evals = {s: read_json(f"metrics/eval_{s}.json") for s in STAGES}
     acc = {s: evals[s]["accuracy"] for s in STAGES}
@@ -139,11 +184,11 @@ def main() -> None:
     if by_task := paired_by_environment(preds["sft"], preds["grpo"], params.seed):  # a mixture: per task
         out["grpo_vs_sft_by_environment"] = by_task
     write_metrics("metrics/compare.json", out)
-    with open("metrics/accuracy_by_stage.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["stage", "accuracy"])
-        for s in STAGES:
-            w.writerow([s, round(acc[s], 4)])
+    with open("metrics/accuracy_by_stage.csv", "w", newline="") as table:
+        writer = csv.writer(table)
+        writer.writerow(["stage", "accuracy"])
+        for stage in STAGES:
+            writer.writerow([stage, round(acc[stage], 4)])
     log.info(
         "accuracy base %.3f -> sft %.3f -> grpo %.3f; grpo-sft %+.3f (95%% CI %+.3f..%+.3f, p=%.2g)",
         acc["base"],

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -44,7 +45,24 @@ def generate(
     desc: str = "generate",
     toolset=None,
 ) -> list[list[tuple[str, int]]]:
-    """Completions as [[(text, n_tokens)] * num_samples] per prompt, through the tool loop (agent.py)."""
+    """Completions as [[(text, n_tokens)] * num_samples] per prompt, through the tool loop (agent.py).
+
+    Args:
+        model: the policy.
+        tokenizer: its tokenizer.
+        prompts: chat message lists.
+        batch_size: prompts per batch.
+        max_new_tokens: the completion budget.
+        temperature: 0 is greedy.
+        top_p: nucleus sampling.
+        num_samples: completions per prompt.
+        seed: the sampling seed.
+        desc: the progress-bar label.
+        toolset: the tools, or None.
+
+    Returns:
+        Per prompt, its samples as (text, n_tokens).
+    """
     rolls = generate_with_tools(
         model,
         tokenizer,
@@ -61,14 +79,138 @@ def generate(
     return [[(r.text, r.num_tokens) for r in rs] for rs in rolls]
 
 
-def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
+def wilson_interval(successes: int, trials: int, z_score: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% with the default z).
+
+    Args:
+        successes: how many trials succeeded.
+        trials: how many trials there were; (0, 0) when none.
+        z_score: the normal quantile of the interval's confidence.
+
+    Returns:
+        (low, high), clipped to [0, 1].
+    """
+    if trials == 0:
         return (0.0, 0.0)
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, c - h), min(1.0, c + h))
+    share = successes / trials
+    z_squared = z_score * z_score
+    denominator = 1 + z_squared / trials
+    centre = (share + z_squared / (2 * trials)) / denominator
+    half_width = z_score * math.sqrt(share * (1 - share) / trials + z_squared / (4 * trials * trials)) / denominator
+    return (max(0.0, centre - half_width), min(1.0, centre + half_width))
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The running counts score() turns into metrics, over the problems scored so far."""
+
+    correct_first: int = 0  # problems whose first sample is correct
+    answer_only: int = 0  # first samples with no worked step before the answer line
+    formatted: int = 0  # samples with an extractable final answer
+    tokens: list[int] = dataclasses.field(default_factory=list)  # completion tokens, every sample
+    rewards: list[float] = dataclasses.field(default_factory=list)  # weighted reward, every sample
+    pass_k: int = 0  # problems with at least one correct sample
+    majority: int = 0  # problems whose most common final answer is correct
+    by_steps: dict[str, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0]))
+
+
+def _weighted_rewards(funcs: list, weights: list[float], comps: list[str], truth: str, judged: list) -> list[float]:
+    """Each sample's reward: the weighted sum of the reward functions (the environment's judgement as `solved`)."""
+    extra = {"solved": judged} if any(j is not None for j in judged) else {}
+    totals = [0.0] * len(comps)
+    for func, weight in zip(funcs, weights):
+        for index, value in enumerate(func(comps, ground_truth=[truth] * len(comps), **extra)):
+            totals[index] += weight * value
+    return totals
+
+
+def _majority_correct(extracted: list, correct: list, judged: list, truth: str) -> bool:
+    """Whether the most common final answer of a problem's samples counts as correct."""
+    votes = collections.Counter(answer for answer in extracted if answer is not None)
+    top = votes.most_common(1)[0][0] if votes else None
+    if any(j is not None for j in judged):  # the environment judged each sample, not the answer against truth:
+        # the most common final answer counts when every sample that gave it was solved (countdown: the answer
+        # decides, so they agree; gridworld: the claim "goal" must have held in every episode that made it)
+        return top is not None and all(ok for answer, ok in zip(extracted, correct) if answer == top)
+    return top is not None and answers_match(top, truth)
+
+
+def _tool_calls(rollout: Rollout) -> list[dict]:
+    """A rollout's tool calls as predictions record them (a calculator call by its expression)."""
+    return [
+        {"expression": call["arguments"].get("expression"), "result": call["result"], "ok": call["ok"]}
+        if list(call["arguments"]) == ["expression"]
+        else {"name": call["name"], "arguments": call["arguments"], "result": call["result"], "ok": call["ok"]}
+        for call in rollout.calls
+    ]
+
+
+def _score_problem(
+    row: dict, outs: list[tuple[str, int]], funcs: list, weights: list[float], rolls: Optional[list], tally: _Tally
+) -> dict:
+    """Score one problem's samples into `tally` and return its prediction record.
+
+    Args:
+        row: the test row (id, question, ground_truth; optional steps, environment).
+        outs: its samples as (text, n_tokens).
+        funcs: the reward functions, weighted by `weights`.
+        rolls: the tool loop's rollouts of these samples, or None when it ran without tools.
+        tally: the running counts, updated in place.
+
+    Returns:
+        The prediction written to predictions.jsonl for this problem.
+    """
+    truth = normalize_number(row["ground_truth"])
+    comps = [text for text, _ in outs]
+    judged = (
+        [episode_solved(row, c, roll.episode.env if roll.episode else None) for c, roll in zip(comps, rolls)]
+        if rolls is not None
+        else [None] * len(comps)
+    )
+    reward_totals = _weighted_rewards(funcs, weights, comps, truth, judged)
+    extracted = [extract_answer(c) if j is None else final_line(c) for c, j in zip(comps, judged)]
+    correct = [answers_match(answer, truth) if j is None else j for answer, j in zip(extracted, judged)]
+    tally.correct_first += correct[0]
+    tally.answer_only += comps[0].lstrip().startswith("####")  # no worked step before the answer line
+    tally.formatted += sum(answer is not None for answer in extracted)
+    tally.tokens += [num_tokens for _, num_tokens in outs]
+    tally.rewards += reward_totals
+    tally.pass_k += any(correct)
+    tally.majority += _majority_correct(extracted, correct, judged, truth)
+    steps = tally.by_steps[str(row.get("steps", "?"))]
+    steps[0] += correct[0]
+    steps[1] += 1
+    prediction = {
+        "id": row["id"],
+        "question": row["question"],
+        "completion": comps[0],
+        "extracted": extracted[0],
+        "ground_truth": truth,
+        "correct": bool(correct[0]),
+        "reward": round(reward_totals[0], 6),
+        **({"samples": comps[1:], "samples_correct": correct[1:]} if len(comps) > 1 else {}),
+        **({"environment": row["environment"]} if "environment" in row else {}),  # a mixture's member
+    }
+    if rolls is not None:
+        prediction["tool_calls"] = _tool_calls(rolls[0])
+        if judged[0] is not None:
+            prediction["failed_tries"] = getattr(rolls[0].episode.env, "failed_tries", None)
+    return prediction
+
+
+def _tool_metrics(preds: list[dict], rollouts: list[list[Rollout]]) -> dict:
+    """Tool use (first sample per problem), accuracy with and without a call, and, for environment episodes,
+    turns, failed tries and the share of solved episodes that recovered from a failed try."""
+    metrics = {key: round(value, 4) for key, value in tool_stats([rolls[0] for rolls in rollouts]).items()}
+    metrics["accuracy_with_tool"] = _rate([p["correct"] for p in preds if p["tool_calls"]])
+    metrics["accuracy_without_tool"] = _rate([p["correct"] for p in preds if not p["tool_calls"]])
+    if any("failed_tries" in p for p in preds):  # an environment episode per problem
+        problems = len(preds)
+        solved = [p for p in preds if p["correct"]]
+        metrics["mean_turns"] = round(sum(len(p["tool_calls"]) for p in preds) / problems, 4)
+        metrics["failed_tries_per_episode"] = round(sum(p.get("failed_tries") or 0 for p in preds) / problems, 4)
+        metrics["recovered_share"] = _rate([bool(p.get("failed_tries")) for p in solved])
+    return metrics
 
 
 def score(
@@ -79,95 +221,49 @@ def score(
     rollouts: Optional[list[list[Rollout]]] = None,
 ) -> tuple[dict, list[dict]]:
     """Metrics + per-sample predictions from test rows and their generated samples (pure; unit-tested).
+
     With `rollouts` (the tool loop's output for the same samples) predictions record each tool call and
     the metrics add tool_use_rate, tool_calls_per_problem and tool_error_rate (first sample per problem).
     Rollouts that acted in an environment with its own success rule (tools.episode_solved: countdown,
     gridworld, a custom get_reward) are judged by it; the metrics then add turns, failed tries and
-    `recovered_share` (solved episodes that recovered from a failed try: the feedback-use figure)."""
+    `recovered_share` (solved episodes that recovered from a failed try: the feedback-use figure).
+
+    Args:
+        rows: the test rows.
+        samples: per row, its samples as (text, n_tokens).
+        rewards: reward name -> weight (params grpo.rewards), reported as `average_reward` and per prediction.
+        reward_kwargs: the reward functions' keyword arguments (params grpo.reward_kwargs).
+        rollouts: the tool loop's rollouts of the same samples, or None (no tools).
+
+    Returns:
+        (metrics, predictions): metrics/eval_<name>.json's figures and one prediction per row.
+    """
     funcs, weights = build_rewards(rewards, reward_kwargs)
-    preds, correct_first, fmt, tokens, rew, answer_only = [], 0, 0, [], [], 0
-    pass_k, majority = 0, 0
-    by_steps: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for row, outs in zip(rows, samples):
-        truth = normalize_number(row["ground_truth"])
-        comps = [t for t, _ in outs]
-        judged = (
-            [episode_solved(row, c, r.episode.env if r.episode else None) for c, r in zip(comps, rollouts[len(preds)])]
-            if rollouts is not None
-            else [None] * len(comps)
-        )
-        extra = {"solved": judged} if any(j is not None for j in judged) else {}
-        r_total = [0.0] * len(comps)
-        for f, w in zip(funcs, weights):
-            for i, v in enumerate(f(comps, ground_truth=[truth] * len(comps), **extra)):
-                r_total[i] += w * v
-        extracted = [extract_answer(c) if j is None else final_line(c) for c, j in zip(comps, judged)]
-        ok = [answers_match(e, truth) if j is None else j for e, j in zip(extracted, judged)]
-        correct_first += ok[0]
-        answer_only += comps[0].lstrip().startswith("####")  # no worked step before the answer line
-        fmt += sum(e is not None for e in extracted)
-        tokens += [n for _, n in outs]
-        rew += r_total
-        pass_k += any(ok)
-        votes = collections.Counter(e for e in extracted if e is not None)
-        top = votes.most_common(1)[0][0] if votes else None
-        if any(j is not None for j in judged):  # the environment judged each sample, not the answer against truth:
-            # the most common final answer counts when every sample that gave it was solved (countdown: the answer
-            # decides, so they agree; gridworld: the claim "goal" must have held in every episode that made it)
-            majority += top is not None and all(o for e, o in zip(extracted, ok) if e == top)
-        else:
-            majority += top is not None and answers_match(top, truth)
-        key = str(row.get("steps", "?"))
-        by_steps[key][0] += ok[0]
-        by_steps[key][1] += 1
-        preds.append(
-            {
-                "id": row["id"],
-                "question": row["question"],
-                "completion": comps[0],
-                "extracted": extracted[0],
-                "ground_truth": truth,
-                "correct": bool(ok[0]),
-                "reward": round(r_total[0], 6),
-                **({"samples": comps[1:], "samples_correct": ok[1:]} if len(comps) > 1 else {}),
-                **({"environment": row["environment"]} if "environment" in row else {}),  # a mixture's member
-            }
-        )
-        if rollouts is not None:
-            first = rollouts[len(preds) - 1][0]
-            preds[-1]["tool_calls"] = [
-                {"expression": c["arguments"].get("expression"), "result": c["result"], "ok": c["ok"]}
-                if list(c["arguments"]) == ["expression"]
-                else {"name": c["name"], "arguments": c["arguments"], "result": c["result"], "ok": c["ok"]}
-                for c in first.calls
-            ]
-            if judged[0] is not None:
-                preds[-1]["failed_tries"] = getattr(first.episode.env, "failed_tries", None)
-    n = len(rows)
-    k = len(samples[0]) if samples else 1
-    lo, hi = wilson_interval(correct_first, n)
+    tally = _Tally()
+    preds = [
+        _score_problem(row, outs, funcs, weights, rollouts[index] if rollouts is not None else None, tally)
+        for index, (row, outs) in enumerate(zip(rows, samples))
+    ]
+    problems = len(rows)
+    per_problem = len(samples[0]) if samples else 1
+    lo, hi = wilson_interval(tally.correct_first, problems)
     metrics = {
-        "accuracy": correct_first / n if n else 0.0,
+        "accuracy": tally.correct_first / problems if problems else 0.0,
         "accuracy_ci95": [round(lo, 4), round(hi, 4)],
-        "average_reward": sum(rew) / len(rew) if rew else 0.0,
-        "format_rate": fmt / (n * k) if n else 0.0,
-        "num_samples": n,
-        "mean_completion_tokens": sum(tokens) / len(tokens) if tokens else 0.0,
-        "answer_only_rate": answer_only / n if n else 0.0,
-        "accuracy_by_steps": {s: round(c / t, 4) for s, (c, t) in sorted(by_steps.items())},
+        "average_reward": sum(tally.rewards) / len(tally.rewards) if tally.rewards else 0.0,
+        "format_rate": tally.formatted / (problems * per_problem) if problems else 0.0,
+        "num_samples": problems,
+        "mean_completion_tokens": sum(tally.tokens) / len(tally.tokens) if tally.tokens else 0.0,
+        "answer_only_rate": tally.answer_only / problems if problems else 0.0,
+        "accuracy_by_steps": {
+            steps: round(correct / total, 4) for steps, (correct, total) in sorted(tally.by_steps.items())
+        },
     }
     if rollouts is not None:
-        metrics.update({k: round(v, 4) for k, v in tool_stats([r[0] for r in rollouts]).items()})
-        metrics["accuracy_with_tool"] = _rate([p["correct"] for p in preds if p["tool_calls"]])
-        metrics["accuracy_without_tool"] = _rate([p["correct"] for p in preds if not p["tool_calls"]])
-        if any("failed_tries" in p for p in preds):  # an environment episode per problem
-            solved = [p for p in preds if p["correct"]]
-            metrics["mean_turns"] = round(sum(len(p["tool_calls"]) for p in preds) / n, 4)
-            metrics["failed_tries_per_episode"] = round(sum(p.get("failed_tries") or 0 for p in preds) / n, 4)
-            metrics["recovered_share"] = _rate([bool(p.get("failed_tries")) for p in solved])
-    if k > 1:
-        metrics[f"pass@{k}"] = pass_k / n
-        metrics["majority_vote_accuracy"] = majority / n
+        metrics.update(_tool_metrics(preds, rollouts))
+    if per_problem > 1:
+        metrics[f"pass@{per_problem}"] = tally.pass_k / problems
+        metrics["majority_vote_accuracy"] = tally.majority / problems
     if any("environment" in p for p in preds):  # a mixture of tasks: each task's own accuracy
         metrics["accuracy_by_environment"] = accuracy_by_environment(preds)
     return metrics, preds
@@ -184,10 +280,12 @@ def accuracy_by_environment(preds: list[dict]) -> dict[str, dict]:
         prediction without an `environment` (a mixture's rows all carry one).
     """
     groups: dict[str, list[bool]] = collections.defaultdict(list)
-    for p in preds:
-        if "environment" not in p:
-            raise ValueError(f"prediction {p.get('id')!r}: no 'environment', while other rows of the test set have one")
-        groups[p["environment"]].append(bool(p["correct"]))
+    for prediction in preds:
+        if "environment" not in prediction:
+            raise ValueError(
+                f"prediction {prediction.get('id')!r}: no 'environment', while other rows of the test set have one"
+            )
+        groups[prediction["environment"]].append(bool(prediction["correct"]))
     out = {}
     for name, flags in sorted(groups.items()):
         lo, hi = wilson_interval(sum(flags), len(flags))
@@ -197,7 +295,14 @@ def accuracy_by_environment(preds: list[dict]) -> dict[str, dict]:
 
 
 def final_line(text: str) -> Optional[str]:
-    """The first line after the last `####` (an environment task's final answer, e.g. an expression), or None."""
+    """The first line after the last `####` (an environment task's final answer, e.g. an expression), or None.
+
+    Args:
+        text: a completion.
+
+    Returns:
+        The line, or None without a `####`.
+    """
     if "####" not in text:
         return None
     lines = text.rsplit("####", 1)[1].strip().splitlines()
@@ -212,6 +317,71 @@ class EmptyEvalError(ValueError):
     """No problems to evaluate: the message names the file."""
 
 
+def _load_for_eval(params: Params, stage: str, quantize: str) -> tuple:
+    """The stage's model (int8-quantized on request; on the GPU when there is one and it is not int8) and tokenizer.
+
+    Args:
+        params: the run's params (model.precision).
+        stage: base, sft, grpo or merged.
+        quantize: none or int8.
+
+    Returns:
+        (model, tokenizer).
+    """
+    from ..modeling import load_policy
+
+    model, tokenizer = load_policy(stage, dtype=torch_dtype(params.model.precision))
+    if quantize == "int8":
+        from .quantize import quantize_int8
+
+        model = quantize_int8(model)
+    if torch.cuda.is_available() and quantize != "int8":
+        model = model.cuda()
+    return model, tokenizer
+
+
+def _generate_rollouts(params: Params, name: str, model, tokenizer, rows: list[dict]) -> tuple[list, Any]:
+    """The tool loop's rollouts for every test row, with params.eval's sampling settings.
+
+    Args:
+        params: the run's params (eval, agent, environments, seed).
+        name: the evaluation's name (logs and the progress bar).
+        model: the policy, in eval mode.
+        tokenizer: its tokenizer.
+        rows: the test rows.
+
+    Returns:
+        (rollouts per row, the toolset or None when the policy has no tools).
+    """
+    settings = params.eval
+    log.info(
+        "%s: %d held-out problems, batch %d, %s, max_new_tokens %d, device %s",
+        name,
+        len(rows),
+        settings.batch_size,
+        "greedy" if settings.temperature == 0 else f"T={settings.temperature}",
+        settings.max_new_tokens,
+        next(model.parameters()).device,
+    )
+    toolset = toolset_from_params(params.agent, tokenizer.eos_token, params.environments)
+    rollouts = generate_with_tools(
+        model,
+        tokenizer,
+        [row["prompt"] for row in rows],
+        toolset,
+        settings.max_new_tokens,
+        batch_size=settings.batch_size,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        num_samples=settings.samples_per_problem,
+        seed=params.seed,
+        desc=f"eval {name}",
+        chat_template_kwargs=toolset.chat_template_kwargs() if toolset else None,
+        rows=rows,
+    )
+    return rollouts, toolset
+
+
 def evaluate(
     params: Params,
     stage: str,
@@ -222,51 +392,33 @@ def evaluate(
     limit: Optional[int] = None,
     log_to_trackers: bool = True,
 ) -> dict:
-    from ..modeling import load_policy
+    """Evaluate a stage's model on the held-out test set; writes metrics/eval_<name>.json and
+    eval/<name>/predictions.jsonl (and logs them to the trackers).
 
+    Args:
+        params: the run's params.
+        stage: whose model: base, sft, grpo or merged.
+        name: the metrics name (default: the stage).
+        quantize: none or int8 (the model is quantized before evaluation).
+        model: a model already loaded (with `tokenizer`), instead of loading the stage's.
+        tokenizer: the tokenizer of `model`.
+        limit: evaluate only the first `limit` test rows.
+        log_to_trackers: log the metrics and predictions to the trackers (W&B) too.
+
+    Returns:
+        The metrics written to metrics/eval_<name>.json.
+    """
     name = name or stage
-    e = params.eval
     rows = load_jsonl(TEST)[:limit] if limit else load_jsonl(TEST)
     if not rows:  # an accuracy over zero problems is not a result
         raise EmptyEvalError(f"{TEST}: no problems to evaluate (the file holds no rows); re-run the prepare stage")
     if model is None:
-        dtype = torch_dtype(params.model.precision)
-        model, tokenizer = load_policy(stage, dtype=dtype)
-        if quantize == "int8":
-            from .quantize import quantize_int8
-
-            model = quantize_int8(model)
-        if torch.cuda.is_available() and quantize != "int8":
-            model = model.cuda()
+        model, tokenizer = _load_for_eval(params, stage, quantize)
     model.eval()
-    log.info(
-        "%s: %d held-out problems, batch %d, %s, max_new_tokens %d, device %s",
-        name,
-        len(rows),
-        e.batch_size,
-        "greedy" if e.temperature == 0 else f"T={e.temperature}",
-        e.max_new_tokens,
-        next(model.parameters()).device,
-    )
-    toolset = toolset_from_params(params.agent, tokenizer.eos_token, params.environments)
-    t0 = time.time()
-    rollouts = generate_with_tools(
-        model,
-        tokenizer,
-        [r["prompt"] for r in rows],
-        toolset,
-        e.max_new_tokens,
-        batch_size=e.batch_size,
-        temperature=e.temperature,
-        top_p=e.top_p,
-        num_samples=e.samples_per_problem,
-        seed=params.seed,
-        desc=f"eval {name}",
-        chat_template_kwargs=toolset.chat_template_kwargs() if toolset else None,
-        rows=rows,
-    )
-    elapsed = time.time() - t0
-    samples = [[(r.text, r.num_tokens) for r in rs] for rs in rollouts]
+    started = time.time()
+    rollouts, toolset = _generate_rollouts(params, name, model, tokenizer, rows)
+    elapsed = time.time() - started
+    samples = [[(roll.text, roll.num_tokens) for roll in rolls] for rolls in rollouts]
     metrics, preds = score(
         rows,
         samples,
@@ -302,15 +454,16 @@ def evaluate(
 
 
 def main() -> None:
+    """`python -m agentrl.stages.evaluate --stage STAGE`: exit status 1 when the test set is empty."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", required=True, choices=["base", "sft", "grpo", "merged"])
     ap.add_argument("--name", default=None, help="metrics name (default: the stage)")
     ap.add_argument("--quantize", default="none", choices=["none", "int8"])
-    a = ap.parse_args()
+    args = ap.parse_args()
     try:
-        evaluate(load_params_or_exit(), a.stage, a.name, a.quantize)
-    except EmptyEvalError as e:
-        log.error("%s", e)
+        evaluate(load_params_or_exit(), args.stage, args.name, args.quantize)
+    except EmptyEvalError as error:
+        log.error("%s", error)
         raise SystemExit(1) from None
 
 

@@ -36,6 +36,16 @@ class ExportVerificationError(RuntimeError):
 
 @torch.inference_mode()
 def logits(model, tokenizer, prompts: list[list[dict]]) -> torch.Tensor:
+    """The model's logits on the prompts (chat-rendered, left-padded), padding positions zeroed.
+
+    Args:
+        model: the model.
+        tokenizer: its tokenizer.
+        prompts: chat message lists.
+
+    Returns:
+        A (prompts, tokens, vocabulary) tensor.
+    """
     tokenizer.padding_side = "left"
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -44,6 +54,15 @@ def logits(model, tokenizer, prompts: list[list[dict]]) -> torch.Tensor:
 
 
 def export(params: Params) -> dict:
+    """The export stage: merge the GRPO adapter into the base+SFT weights, save models/merged, and verify it
+    against the adapter model (logits within export.max_abs_logit_diff, greedy completions identical).
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The metrics written. ExportVerificationError when the check fails.
+    """
     prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[: params.export.num_verify_prompts]]
     adapter_model, tok = load_policy("grpo", dtype=torch.float32, merge=False)
     adapter_model.eval()
@@ -86,6 +105,14 @@ def export(params: Params) -> dict:
 
 
 def quantized_eval(params: Params) -> dict:
+    """The eval_quantized stage: models/merged evaluated in fp32 and, with export.quantize int8, in int8.
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The metrics written to metrics/quantize.json.
+    """
     full = evaluate(params, "merged", name="merged")
     out = {
         "quantize": params.export.quantize,
@@ -93,7 +120,7 @@ def quantized_eval(params: Params) -> dict:
         "merged_samples_per_second": full["samples_per_second"],
     }
     if params.export.quantize == "int8":
-        q = evaluate(
+        int8 = evaluate(
             params,
             "merged",
             name="merged_int8",
@@ -104,10 +131,10 @@ def quantized_eval(params: Params) -> dict:
         out.update(
             {
                 "int8_backend": int8_backend(),
-                "int8_accuracy": q["accuracy"],
-                "accuracy_delta": q["accuracy"] - full["accuracy"],
-                "int8_samples_per_second": q["samples_per_second"],
-                "int8_speed_ratio": q["samples_per_second"] / full["samples_per_second"],
+                "int8_accuracy": int8["accuracy"],
+                "accuracy_delta": int8["accuracy"] - full["accuracy"],
+                "int8_samples_per_second": int8["samples_per_second"],
+                "int8_speed_ratio": int8["samples_per_second"] / full["samples_per_second"],
                 "note": "speed ratio measured in this run on this machine; > 1 means int8 is faster",
             }
         )
@@ -121,14 +148,15 @@ def quantized_eval(params: Params) -> dict:
 
 
 def main() -> None:
+    """`python -m agentrl.stages.export [--quantized-eval]`: exit status 1 when the merge check fails."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantized-eval", action="store_true", help="evaluate models/merged in fp32 and int8")
-    a = ap.parse_args()
+    args = ap.parse_args()
     params = load_params_or_exit()
     try:
-        quantized_eval(params) if a.quantized_eval else export(params)
-    except ExportVerificationError as e:
-        log.error("%s", e)
+        quantized_eval(params) if args.quantized_eval else export(params)
+    except ExportVerificationError as error:
+        log.error("%s", error)
         raise SystemExit(1) from None
 
 

@@ -38,22 +38,33 @@ class BatchConfigError(ValueError):
 
 def check_batch(params: Params, num_processes: int | None = None) -> int:
     """The generation batch (completions per optimizer step), computed as GRPOConfig does, must divide into
-    groups of num_generations. Checked before anything loads, with the number of processes of the launch."""
-    t = params.grpo.trainer
+    groups of num_generations. Checked before anything loads, with the number of processes of the launch.
 
-    def v(name):
-        return passthrough_value("grpo.trainer", t, name)
+    Args:
+        params: the run's params.
+        num_processes: the launch's processes (default: this launch's).
 
-    n = num_processes or world_size()
-    per_device, num_generations = v("per_device_train_batch_size"), v("num_generations")
-    if v("generation_batch_size") is not None:
-        gen_batch = v("generation_batch_size")
+    Returns:
+        The generation batch. BatchConfigError naming the keys when it does not divide.
+    """
+    trainer = params.grpo.trainer
+
+    def value(name):
+        return passthrough_value("grpo.trainer", trainer, name)
+
+    processes = num_processes or world_size()
+    per_device, num_generations = value("per_device_train_batch_size"), value("num_generations")
+    if value("generation_batch_size") is not None:
+        gen_batch = value("generation_batch_size")
         how = f"generation_batch_size ({gen_batch})"
     else:
-        steps_key = "steps_per_generation" if v("steps_per_generation") is not None else "gradient_accumulation_steps"
-        gen_batch = per_device * n * v(steps_key)
+        steps_key = (
+            "steps_per_generation" if value("steps_per_generation") is not None else "gradient_accumulation_steps"
+        )
+        gen_batch = per_device * processes * value(steps_key)
         how = (
-            f"per_device_train_batch_size ({per_device}) x processes ({n}) x {steps_key} ({v(steps_key)}) = {gen_batch}"
+            f"per_device_train_batch_size ({per_device}) x processes ({processes}) x {steps_key} "
+            f"({value(steps_key)}) = {gen_batch}"
         )
     if gen_batch % num_generations:
         raise BatchConfigError(
@@ -66,14 +77,27 @@ def check_batch(params: Params, num_processes: int | None = None) -> int:
 
 def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs):
     """trl.GRPOConfig(**grpo.trainer) plus what the stage derives (training.trainer_config) and reward_weights, the
-    weights of grpo.rewards."""
+    weights of grpo.rewards.
+
+    Args:
+        params: the run's params.
+        output_dir: the checkpoint directory.
+        **tracking_kwargs: report_to, run_name.
+
+    Returns:
+        The GRPOConfig.
+    """
     weights = [float(w) for w in params.grpo.rewards.values()]
     return training.trainer_config(params, "grpo", output_dir, reward_weights=weights, **tracking_kwargs)
 
 
 def check_generation(args) -> None:
     """TRL's vLLM rollouts (grpo.trainer.use_vllm, vllm_mode colocate | server) need CUDA and vllm: say so
-    before anything loads instead of failing inside the trainer."""
+    before anything loads instead of failing inside the trainer.
+
+    Args:
+        args: the GRPOConfig.
+    """
     if not args.use_vllm:
         return
     import importlib.util
@@ -88,7 +112,14 @@ def check_generation(args) -> None:
 
 def starting_model(params: Params | None = None):
     """models/base with the SFT result merged in: the policy GRPO starts from, in the training dtype
-    (model.precision) with model.attn_implementation when params are given."""
+    (model.precision) with model.attn_implementation when params are given.
+
+    Args:
+        params: the run's params (None: the saved dtype and attention).
+
+    Returns:
+        The model.
+    """
     kw = (
         {}
         if params is None
@@ -131,7 +162,7 @@ class ToolRollout:
 
         from ..agent.loop import generate_with_tools, tool_stats
 
-        t = time.perf_counter()
+        started = time.perf_counter()
         extra = {
             k: v
             for k, v in (("min_p", trainer.min_p), ("repetition_penalty", trainer.repetition_penalty))
@@ -170,12 +201,12 @@ class ToolRollout:
                     **extra,
                 )
             ]
-        self.seconds += time.perf_counter() - t
+        self.seconds += time.perf_counter() - started
         self.completions += len(rolls)
         self.tokens += sum(sum(r.env_mask) for r in rolls)
         if self.toolset is not None:
-            for k, v in tool_stats(rolls).items():
-                self.curves[f"tools/{k}"].append(v)
+            for stat, value in tool_stats(rolls).items():
+                self.curves[f"tools/{stat}"].append(value)
         out = {}
         if self.rows and self.toolset is not None:  # an environment with its own success rule decides `accuracy`
             rows = [self.rows.get(prompt_key(p), {}) for p in prompts]
@@ -200,7 +231,15 @@ def merged_policy(model, plain=None):
     trains between rollouts; the base weights are frozen, and they are never modified, unlike merge_adapter +
     unmerge_adapter, whose round trip drifts by float rounding). The first call deep-copies the model and gives the
     copy its class's forward; it refuses a model that trains anything besides LoRA A/B weights, which the refresh
-    would leave stale."""
+    would leave stale.
+
+    Args:
+        model: the PEFT policy.
+        plain: the copy an earlier call returned, or None.
+
+    Returns:
+        The plain merged model.
+    """
     import copy
     import re
 
@@ -223,24 +262,29 @@ def merged_policy(model, plain=None):
         # a forward patched onto an instance is dropped: the copy computes with its class's own. TRL's fused LM head
         # (GRPOTrainer patches it on) closes over the original model's bound forward, so a copy that kept it would
         # still run the original, adapter and all
-        for m in plain.modules():
-            m.__dict__.pop("forward", None)
+        for module in plain.modules():
+            module.__dict__.pop("forward", None)
         plain.eval()
     targets = dict(plain.named_modules())
     with torch.no_grad():
         for name, mod in model.get_base_model().named_modules():
             if isinstance(mod, LoraLayer):
-                w = mod.get_base_layer().weight.detach().clone()
-                for a in mod.active_adapters:
-                    if a in mod.lora_A:
-                        w += mod.get_delta_weight(a)
-                targets[name].weight.copy_(w)
+                weight = mod.get_base_layer().weight.detach().clone()
+                for adapter in mod.active_adapters:
+                    if adapter in mod.lora_A:
+                        weight += mod.get_delta_weight(adapter)
+                targets[name].weight.copy_(weight)
     return plain
 
 
 def check_merged_rollouts(trainer, rollout) -> None:
     """grpo.merged_rollouts copies the whole policy on each process: refused, before the first step, where the
-    weights are sharded (DeepSpeed ZeRO-3, FSDP)."""
+    weights are sharded (DeepSpeed ZeRO-3, FSDP).
+
+    Args:
+        trainer: the GRPOTrainer.
+        rollout: our rollout function, or None.
+    """
     if rollout is None or not rollout.merged:
         return
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
@@ -254,6 +298,14 @@ def check_merged_rollouts(trainer, rollout) -> None:
 
 
 def prompt_key(prompt) -> str:
+    """A prompt's key in the row lookup of the rollout function (its JSON text).
+
+    Args:
+        prompt: chat messages or a string.
+
+    Returns:
+        The key.
+    """
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
@@ -262,7 +314,17 @@ def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
     ToolRollout (the project's tool loop, one environment episode per completion, reset with its row);
     agent.format chat hands the environment class to TRL's own multi-turn loop
     (GRPOTrainer(environment_factory=...), one instance per rollout); TRL's vLLM generation is used when grpo
-    asks for it and no inline tool is set."""
+    asks for it and no inline tool is set.
+
+    Args:
+        params: the run's params.
+        args: the GRPOConfig.
+        tok: the policy's tokenizer.
+        rows: the RL dataset's rows.
+
+    Returns:
+        (rollout_func or None, environment_factory or None).
+    """
     toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
     merged = params.grpo.merged_rollouts
     if toolset is not None and params.agent.format == "chat":
@@ -295,18 +357,25 @@ def baked_tool_template(tok):
     template without those lines, the lines are put back in front of the training variant, and the tokenizer
     holds that variant while GRPOTrainer is built. Returns `finish(trainer)`, which gives the tokenizer its
     template back (the one saved with the result) and the trainer the training variant; None when nothing is
-    baked or TRL does not know the template (it then says so itself)."""
+    baked or TRL does not know the template (it then says so itself).
+
+    Args:
+        tok: the policy's tokenizer (its chat_template is replaced).
+
+    Returns:
+        A function that restores the template and hands the trainer the training one, or None.
+    """
     import copy
     import re
 
     from trl.chat_template_utils import add_response_schema, get_training_chat_template
 
     template = tok.chat_template if isinstance(tok.chat_template, str) else ""
-    m = re.match(r"(\{%- set \w+ = [^%]*%\})+", template)
-    if not m:
+    set_lines = re.match(r"(\{%- set \w+ = [^%]*%\})+", template)
+    if not set_lines:
         return None
-    prefix, probe = m.group(0), copy.copy(tok)
-    probe.chat_template = template[m.end() :]
+    prefix, probe = set_lines.group(0), copy.copy(tok)
+    probe.chat_template = template[set_lines.end() :]
     try:
         if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
             add_response_schema(probe)
@@ -333,44 +402,105 @@ def _series(history: list[dict], *keys: str) -> list[float]:
     return []
 
 
-def train(params: Params) -> dict:
-    from datasets import load_dataset
-    from trl import GRPOTrainer
-
-    gen_batch = check_batch(params)
-    g = params.grpo
-    funcs, _ = build_rewards(g.rewards, g.reward_kwargs.model_dump())
-    args, callbacks = training.start(params, "grpo", grpo_config)
-    check_generation(args)
-    tok = load_tokenizer(STAGE_DIRS["sft"])
-    model = starting_model(params)
-    ds = load_dataset("json", data_files=DATA, split="train")
+def _log_plan(params: Params, args, num_prompts: int, gen_batch: int) -> None:
+    """Log what this GRPO run does: prompts, precision, completions per step, lr, beta, rewards, LoRA, vLLM."""
     log.info(
         "%d prompts; precision %s; %d completions per step (%d prompts x %d generations); lr %.3g; beta %g; "
         "rewards %s; lora=%s; vllm=%s",
-        len(ds),
+        num_prompts,
         resolve_precision(params.model.precision),
         gen_batch,
         gen_batch // args.num_generations,
         args.num_generations,
         args.learning_rate,
         args.beta,
-        g.rewards,
-        g.use_lora,
+        params.grpo.rewards,
+        params.grpo.use_lora,
         args.use_vllm and args.vllm_mode,
     )
-    resume = training.resume_checkpoint(
+
+
+def _resume_checkpoint(params: Params, args) -> Optional[str]:
+    """The checkpoint to resume from, if one was written for the same params, data and starting models."""
+    return training.resume_checkpoint(
         args,
         params,
         "grpo",
         params.seed,
-        g.model_dump(),
+        params.grpo.model_dump(),
         params.agent.model_dump(),
         params.environments,
         file_digest(DATA),
         model_files_digest(STAGE_DIRS["base"]),
         model_files_digest(STAGE_DIRS["sft"]),
     )
+
+
+def _curve_metrics(
+    history: list[dict], rollout: Optional[ToolRollout], runtime: float, completions_per_step: int
+) -> dict:
+    """The training curves' headline figures for metrics/grpo_train.json: reward, KL, completion length and tool
+    use at the start and end, and the rollout function's share of the time.
+
+    Args:
+        history: the trainer's log history.
+        rollout: our rollout function (None when TRL generates itself: vLLM or agent.format chat).
+        runtime: the training's wall time in seconds.
+        completions_per_step: the generation batch (check_batch), reported with the curves.
+
+    Returns:
+        The metrics, in the order metrics/grpo_train.json lists them.
+    """
+    rewards, kls = _series(history, "reward"), _series(history, "kl")
+    lengths = _series(history, "completions/mean_length")
+    fifth = max(1, len(rewards) // 5)
+    return {
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "reward_mean_first_20pct": sum(rewards[:fifth]) / fifth if rewards else None,
+        "reward_mean_last_20pct": sum(rewards[-fifth:]) / fifth if rewards else None,
+        "kl_last": kls[-1] if kls else None,
+        "completion_length_first": lengths[0] if lengths else None,
+        "completion_length_last": lengths[-1] if lengths else None,
+        "completions_per_step": completions_per_step,
+        # measured around the rollout function (None when TRL generates itself: vLLM or agent.format chat)
+        "generation_seconds": round(rollout.seconds, 2) if rollout else None,
+        "generation_seconds_share": round(rollout.seconds / runtime, 4) if rollout and runtime else None,
+        "rollout_tokens_per_second": round(rollout.tokens / rollout.seconds, 1)
+        if rollout and rollout.seconds
+        else None,
+        "tool_use_rate_first": (_series(history, "tools/tool_use_rate") or [None])[0],
+        "tool_use_rate_last": (_series(history, "tools/tool_use_rate") or [None])[-1],
+        # TRL's own loop (agent.format chat) logs tools/call_frequency (calls per completion) and no tool-use rate
+        "tool_calls_per_completion_last": (
+            _series(history, "tools/tool_calls_per_problem", "tools/call_frequency") or [None]
+        )[-1],
+        "tool_error_rate_last": (_series(history, "tools/tool_error_rate") or [None])[-1],
+    }
+
+
+def train(params: Params) -> dict:
+    """Train the GRPO stage: TRL's GRPOTrainer over the SFT model, rollouts through our tool loop (or TRL's
+    environment_factory loop for agent.format chat); saves models/grpo and metrics/grpo_train.json.
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The metrics written to metrics/grpo_train.json.
+    """
+    from datasets import load_dataset
+    from trl import GRPOTrainer
+
+    gen_batch = check_batch(params)
+    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
+    args, callbacks = training.start(params, "grpo", grpo_config)
+    check_generation(args)
+    tok = load_tokenizer(STAGE_DIRS["sft"])
+    model = starting_model(params)
+    ds = load_dataset("json", data_files=DATA, split="train")
+    _log_plan(params, args, len(ds), gen_batch)
+    resume = _resume_checkpoint(params, args)
     rollout, environment_factory = rollout_plan(params, args, tok, list(ds))
     finish = baked_tool_template(tok) if environment_factory else None
 
@@ -394,33 +524,8 @@ def train(params: Params) -> dict:
         finish(trainer)
     check_merged_rollouts(trainer, rollout)
     _, run = training.train(trainer, resume)
-    hist = trainer.state.log_history
-    rewards, kls = _series(hist, "reward"), _series(hist, "kl")
-    lengths = _series(hist, "completions/mean_length")
-    k = max(1, len(rewards) // 5)
-    runtime = run["runtime_s"]
     metrics = {
-        "reward_first": rewards[0] if rewards else None,
-        "reward_last": rewards[-1] if rewards else None,
-        "reward_mean_first_20pct": sum(rewards[:k]) / k if rewards else None,
-        "reward_mean_last_20pct": sum(rewards[-k:]) / k if rewards else None,
-        "kl_last": kls[-1] if kls else None,
-        "completion_length_first": lengths[0] if lengths else None,
-        "completion_length_last": lengths[-1] if lengths else None,
-        "completions_per_step": gen_batch,
-        # measured around the rollout function (None when TRL generates itself: vLLM or agent.format chat)
-        "generation_seconds": round(rollout.seconds, 2) if rollout else None,
-        "generation_seconds_share": round(rollout.seconds / runtime, 4) if rollout and runtime else None,
-        "rollout_tokens_per_second": round(rollout.tokens / rollout.seconds, 1)
-        if rollout and rollout.seconds
-        else None,
-        "tool_use_rate_first": (_series(hist, "tools/tool_use_rate") or [None])[0],
-        "tool_use_rate_last": (_series(hist, "tools/tool_use_rate") or [None])[-1],
-        # TRL's own loop (agent.format chat) logs tools/call_frequency (calls per completion) and no tool-use rate
-        "tool_calls_per_completion_last": (
-            _series(hist, "tools/tool_calls_per_problem", "tools/call_frequency") or [None]
-        )[-1],
-        "tool_error_rate_last": (_series(hist, "tools/tool_error_rate") or [None])[-1],
+        **_curve_metrics(trainer.state.log_history, rollout, run["runtime_s"], gen_batch),
         "beta": args.beta,
         **run,
     }
@@ -430,7 +535,7 @@ def train(params: Params) -> dict:
         metrics["reward_mean_first_20pct"] or 0,
         metrics["reward_mean_last_20pct"] or 0,
         metrics["steps"],
-        runtime,
+        run["runtime_s"],
         STAGE_DIRS["grpo"],
     )
     return metrics

@@ -42,7 +42,12 @@ def check_sources_tracked(data: DataParams, dvc_file: Path = Path("dvc.yaml")) -
     """A jsonl source must be a dependency of the prepare stage (inputs/ in dvc.yaml): DVC re-runs prepare
     only when a dependency changes, so a file outside them would be read once and its edits ignored.
     Checked where a dvc.yaml with a prepare stage is present (running `python -m agentrl.stages.prepare` elsewhere,
-    e.g. on a scratch directory, is not a pipeline run)."""
+    e.g. on a scratch directory, is not a pipeline run).
+
+    Args:
+        data: the data params.
+        dvc_file: the pipeline's dvc.yaml.
+    """
     import yaml
 
     if data.source != "jsonl" or not dvc_file.is_file():
@@ -52,40 +57,57 @@ def check_sources_tracked(data: DataParams, dvc_file: Path = Path("dvc.yaml")) -
         return
     root = dvc_file.resolve().parent
     deps = [(root / d).resolve() for d in stage.get("deps", []) if "${" not in str(d)]
-    for field, f in (("data.train_file", data.train_file), ("data.test_file", data.test_file)):
-        path = (root / str(f)).resolve()
+    for field, file in (("data.train_file", data.train_file), ("data.test_file", data.test_file)):
+        path = (root / str(file)).resolve()
         if not any(path == d or d in path.parents for d in deps):
             raise ValueError(
-                f"{field}={f}: not a dependency of the prepare stage in {dvc_file}, so `dvc repro` "
+                f"{field}={file}: not a dependency of the prepare stage in {dvc_file}, so `dvc repro` "
                 "would not re-run prepare when the file changes; move it into inputs/ (a dependency "
                 "of prepare) or add it to the stage's deps"
             )
 
 
 def source_name(data: DataParams, split: str) -> str:
-    """Where a split's rows come from, as error messages name it."""
+    """Where a split's rows come from, as error messages name it.
+
+    Args:
+        data: the data params.
+        split: train or test.
+
+    Returns:
+        A file path, `dataset:split` or `synthetic:split`.
+    """
     if data.source == "jsonl":
         return str(data.train_file if split == "train" else data.test_file)
     return f"{data.hub_dataset}:{split}" if data.source == "gsm8k" else f"synthetic:{split}"
 
 
 def load_raw(data: DataParams, seed: int) -> tuple[list[RawRow], list[RawRow]]:
+    """The raw train and test rows of data.source (synthetic, GSM8K from the hub, or local JSONL files).
+
+    Args:
+        data: the data params.
+        seed: the synthetic generator's seed.
+
+    Returns:
+        (train rows, test rows), each with its source and line.
+    """
     if data.source == "synthetic":
-        s = data.synthetic
+        synthetic = data.synthetic
         train, test = generate_synthetic(
             seed,
-            s.num_train,
-            s.num_test,
-            s.operand_min,
-            s.operand_max,
-            list(s.operations),
-            dict(s.steps),
-            s.max_value,
-            s.direct_answer_rate,
-            s.digit_steps_rate,
-            s.multiplier_max,
-            s.distractor_rate,
-            s.compare_rate,
+            synthetic.num_train,
+            synthetic.num_test,
+            synthetic.operand_min,
+            synthetic.operand_max,
+            list(synthetic.operations),
+            dict(synthetic.steps),
+            synthetic.max_value,
+            synthetic.direct_answer_rate,
+            synthetic.digit_steps_rate,
+            synthetic.multiplier_max,
+            synthetic.distractor_rate,
+            synthetic.compare_rate,
         )
         return (
             [RawRow("synthetic:train", i, r) for i, r in enumerate(train, 1)],
@@ -105,26 +127,49 @@ def load_raw(data: DataParams, seed: int) -> tuple[list[RawRow], list[RawRow]]:
 def strip_annotations(params: Params) -> bool:
     """data.strip_calculator_annotations, where 'auto' keeps GSM8K's <<a*b=c>> annotations (the tool calls the
     policy learns to make) exactly when agent.tools or agent.environment is set (a custom environment class replays
-    them through its own tool, docs/environments.md)."""
-    v = params.data.strip_calculator_annotations
-    return not (params.agent.tools or params.agent.environment) if v == "auto" else bool(v)
+    them through its own tool, docs/environments.md).
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        Whether to strip the annotations.
+    """
+    setting = params.data.strip_calculator_annotations
+    return not (params.agent.tools or params.agent.environment) if setting == "auto" else bool(setting)
 
 
 def mix_tool_use(examples: list, share: float, seed: int) -> float:
     """Keep the calculator annotations in a seeded `share` of the training solutions; the others do their
     arithmetic in text (annotations stripped), so the policy sees both and RL can learn when to call.
-    Returns the share of annotated solutions that keep a call."""
+    Returns the share of annotated solutions that keep a call.
+
+    Args:
+        examples: the training examples (edited in place).
+        share: data.calculator_share.
+        seed: the run's seed.
+
+    Returns:
+        The share kept.
+    """
     rng = random.Random(seed + 2)
     with_calls = [e for e in examples if "<<" in e.reasoning]
-    for e in with_calls:
+    for example in with_calls:
         if rng.random() >= share:
-            e.reasoning = strip_calculator_annotations(e.reasoning)
+            example.reasoning = strip_calculator_annotations(example.reasoning)
     kept = sum("<<" in e.reasoning for e in with_calls)
     return kept / len(with_calls) if with_calls else 0.0
 
 
 def environment_knobs(params: Params) -> tuple:
-    """(task module, its knobs from params.environments, the generation knobs, the GridWorld/Countdown knobs)."""
+    """(task module, its knobs from params.environments, the generation knobs, the GridWorld/Countdown knobs).
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The tuple.
+    """
     task = TASKS[params.agent.environment]
     knobs = params.environments.get(params.agent.environment) or {}
     gen = {k: v for k, v in knobs.items() if k in task.GEN_DEFAULTS}
@@ -135,7 +180,14 @@ def environment_knobs(params: Params) -> tuple:
 def environment_rows(params: Params) -> tuple[list[dict], list[dict]]:
     """(train, test) rows generated by a built-in environment (agent.environment countdown/gridworld) with its
     knobs from params.environments.<name>: its own seeded generator and solver-made demonstrations, the test
-    instances excluded from training."""
+    instances excluded from training.
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        (train rows, test rows).
+    """
     task, knobs, gen, env = environment_knobs(params)
     rng = random.Random(params.seed)
     test = task.make_rows(knobs["num_test"], rng, "test", env_knobs=env, **gen)
@@ -145,13 +197,23 @@ def environment_rows(params: Params) -> tuple[list[dict], list[dict]]:
 
 
 def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> dict:
+    """The prepare stage for a built-in environment: its generated rows as SFT, RL and test JSONL.
+
+    Args:
+        params: the run's params.
+        out_dir: where the three files go.
+        metrics_path: where the metrics go.
+
+    Returns:
+        The metrics written.
+    """
     name = params.agent.environment
     train, test = environment_rows(params)
     sp = params.data.system_prompt
 
-    def fields(i: int, split: str, r: dict) -> dict:
-        env_fields = {k: v for k, v in r.items() if k not in ("question", "answer", "ground_truth")}
-        return {"id": f"{name}-{split}-{i}", "prompt": messages(sp, r["question"]), **env_fields}
+    def fields(index: int, split: str, row: dict) -> dict:
+        env_fields = {k: v for k, v in row.items() if k not in ("question", "answer", "ground_truth")}
+        return {"id": f"{name}-{split}-{index}", "prompt": messages(sp, row["question"]), **env_fields}
 
     n_sft = write_jsonl(
         out_dir / "sft_train.jsonl",
@@ -197,6 +259,16 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
 
 
 def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRICS) -> dict:
+    """The prepare stage: load, check, subsample and write data/prepared/{sft_train,rl_train,test}.jsonl.
+
+    Args:
+        params: the run's params.
+        out_dir: where the three files go.
+        metrics_path: where the metrics go.
+
+    Returns:
+        The metrics written. BadRowsError naming the rows when data.on_bad_rows is error.
+    """
     if params.agent.environment in TASKS:
         return prepare_environment(params, out_dir, metrics_path)
     data = params.data
@@ -215,8 +287,8 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
         raise BadRowsError(
             f"{len(bad)} bad row(s) (data.on_bad_rows=error; set it to 'drop' to drop and count them):\n  {shown}{more}"
         )
-    for b in bad[:20]:
-        log.warning("dropped %s", b)
+    for bad_row in bad[:20]:
+        log.warning("dropped %s", bad_row)
     for split, kept, raw in (("train", train, raw_train), ("test", test, raw_test)):
         if not kept.examples:  # zero rows is never a result: name the source and why nothing is left
             reasons = ", ".join(f"{n} {r}" for r, n in sorted(collections.Counter(b.reason for b in kept.bad).items()))
@@ -255,11 +327,12 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
 
 
 def main() -> None:
+    """`python -m agentrl.stages.prepare`: exit status 1 with the message on bad data."""
     params = load_params_or_exit()
     try:
         prepare(params)
-    except (BadRowsError, FileNotFoundError, ValueError) as e:
-        log.error("%s", e)
+    except (BadRowsError, FileNotFoundError, ValueError) as error:
+        log.error("%s", error)
         raise SystemExit(1) from None
 
 

@@ -25,13 +25,30 @@ log = get_logger("sft")
 
 
 def sft_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs):
-    """trl.SFTConfig(**sft.trainer) plus what the stage derives (training.trainer_config)."""
+    """trl.SFTConfig(**sft.trainer) plus what the stage derives (training.trainer_config).
+
+    Args:
+        params: the run's params.
+        output_dir: the checkpoint directory.
+        **tracking_kwargs: report_to, run_name.
+
+    Returns:
+        The SFTConfig.
+    """
     return training.trainer_config(params, "sft", output_dir, **tracking_kwargs)
 
 
 def dataset(tok, params: Params):
     """data/prepared/sft_train.jsonl tokenized segment by segment as the tool loop produces it: the tool's
-    results (`24>>` after `<<48/2=`) are in the input but masked out of the loss (agent.py: sft_features)."""
+    results (`24>>` after `<<48/2=`) are in the input but masked out of the loss (agent.py: sft_features).
+
+    Args:
+        tok: the base model's tokenizer.
+        params: the run's params.
+
+    Returns:
+        The datasets.Dataset of input_ids and completion_mask.
+    """
     from datasets import Dataset
 
     toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
@@ -47,7 +64,12 @@ def dataset(tok, params: Params):
 def check_lengths(feats: list[dict], params: Params) -> None:
     """Stop before training when sft.trainer.max_length would leave no trainable example: TRL truncates each
     example to max_length and drops those whose completion is then fully masked, and an empty dataset fails
-    deep inside the sampler (`num_samples=0`). Names the key, the lengths needed and the cause."""
+    deep inside the sampler (`num_samples=0`). Names the key, the lengths needed and the cause.
+
+    Args:
+        feats: the tokenized examples (sft_features).
+        params: the run's params.
+    """
     max_length = params.sft.trainer.get("max_length")
     if not max_length:
         return
@@ -74,7 +96,16 @@ def check_lengths(feats: list[dict], params: Params) -> None:
 def check_calls(calls: list[int], rows: list[dict], params: Params) -> Optional[str]:
     """Warn (and return the warning) when demonstrations make more tool calls than agent.max_tool_calls: the loop
     ends a completion at that many calls in evaluation, GRPO and serving, so SFT would teach episodes the policy
-    is never let finish (a gridworld with `demo_look` looks before every move: twice the calls)."""
+    is never let finish (a gridworld with `demo_look` looks before every move: twice the calls).
+
+    Args:
+        calls: tool calls per demonstration.
+        rows: the SFT rows, in the same order.
+        params: the run's params.
+
+    Returns:
+        The warning, or None.
+    """
     limit = params.agent.max_tool_calls
     over = [(n, r.get("id", i)) for i, (n, r) in enumerate(zip(calls, rows)) if n > limit]
     if not over:
@@ -90,6 +121,15 @@ def check_calls(calls: list[int], rows: list[dict], params: Params) -> Optional[
 
 
 def train(params: Params) -> dict:
+    """Train the SFT stage: TRL's SFTTrainer on the tool-loop-tokenized demonstrations; saves models/sft and
+    metrics/sft_train.json.
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The metrics written to metrics/sft_train.json.
+    """
     from trl import SFTTrainer
 
     args, callbacks = training.start(params, "sft", sft_config)

@@ -30,30 +30,57 @@ REPO = Path(__file__).resolve().parents[3]  # the checkout whose dvc.yaml declar
 
 
 def effective_batch(per_device: int, grad_accum: int) -> int:
+    """Examples per optimizer step over all processes.
+
+    Args:
+        per_device: per_device_train_batch_size.
+        grad_accum: gradient_accumulation_steps.
+
+    Returns:
+        per_device x grad_accum x processes.
+    """
     return per_device * grad_accum * world_size()
 
 
 def learning_rate(params: Params, stage: str) -> float:
     """`<stage>.trainer.learning_rate` (the reference learning rate; TRL's default when unset) after
     distributed.scale_lr: scaled with the stage's effective batch (per-device batch x processes x accumulation,
-    TRL defaults for what the section leaves out) against distributed.reference_batch."""
-    path, trainer, d = f"{stage}.trainer", getattr(params, stage).trainer, params.distributed
+    TRL defaults for what the section leaves out) against distributed.reference_batch.
+
+    Args:
+        params: the run's params.
+        stage: sft or grpo.
+
+    Returns:
+        The learning rate the trainer gets.
+    """
+    path, trainer, distributed = f"{stage}.trainer", getattr(params, stage).trainer, params.distributed
     lr = passthrough_value(path, trainer, "learning_rate")
-    if d.scale_lr == "none":
+    if distributed.scale_lr == "none":
         return lr
     ratio = (
         effective_batch(
             passthrough_value(path, trainer, "per_device_train_batch_size"),
             passthrough_value(path, trainer, "gradient_accumulation_steps"),
         )
-        / d.reference_batch
+        / distributed.reference_batch
     )
-    return lr * (ratio**0.5 if d.scale_lr == "sqrt" else ratio)
+    return lr * (ratio**0.5 if distributed.scale_lr == "sqrt" else ratio)
 
 
 def trainer_config(params: Params, stage: str, output_dir: str, **derived):
     """trl.SFTConfig / trl.GRPOConfig(**<stage>.trainer) plus what the stage derives (config.DERIVED): output_dir,
-    the scaled learning rate, seed/data_seed, the precision flags and `derived` (tracking arguments, ...)."""
+    the scaled learning rate, seed/data_seed, the precision flags and `derived` (tracking arguments, ...).
+
+    Args:
+        params: the run's params.
+        stage: sft or grpo.
+        output_dir: the checkpoint directory.
+        **derived: further derived arguments (tracking, GRPO's reward_weights).
+
+    Returns:
+        The TRL config. ParamsError naming the section when TRL rejects a value.
+    """
     return build_passthrough(
         f"{stage}.trainer",
         {**getattr(params, stage).trainer, "learning_rate": learning_rate(params, stage)},  # the reference, scaled
@@ -66,7 +93,15 @@ def trainer_config(params: Params, stage: str, output_dir: str, **derived):
 
 
 def peft_config(params: Params, stage: str):
-    """peft.LoraConfig(**<stage>.lora), or None when <stage>.use_lora is false (all weights train)."""
+    """peft.LoraConfig(**<stage>.lora), or None when <stage>.use_lora is false (all weights train).
+
+    Args:
+        params: the run's params.
+        stage: sft or grpo.
+
+    Returns:
+        The LoraConfig, or None.
+    """
     section = getattr(params, stage)
     return lora_config(section.lora, f"{stage}.lora") if section.use_lora else None
 
@@ -75,7 +110,16 @@ def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
     """Seed, CPU threads and tracking, then the stage's TRL config `config(params, report_to=, run_name=)`;
     returns it with the tracking callbacks. The config comes before any work: it stops on a bad value, and it
     registers the DeepSpeed config, so the model created next is ZeRO-3-partitioned (zero3_init_flag) in its
-    target dtype."""
+    target dtype.
+
+    Args:
+        params: the run's params.
+        stage: sft or grpo.
+        config: sft_config or grpo_config.
+
+    Returns:
+        (the TRL config, the tracking callbacks).
+    """
     from transformers import set_seed
 
     from .. import tracking
@@ -90,7 +134,15 @@ def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
 def code_digest(stage: str, root: Path) -> dict[str, str]:
     """Digest of each file of the code stage `stage` runs: its deps under src/ in `root`/dvc.yaml (modules, and every
     file of a package directory but its __pycache__). Editing any other module (serve.py, ...) keeps the
-    stage's checkpoint resumable, as it keeps DVC's stage up to date."""
+    stage's checkpoint resumable, as it keeps DVC's stage up to date.
+
+    Args:
+        stage: the dvc.yaml stage.
+        root: the repository root.
+
+    Returns:
+        path -> digest of each such file.
+    """
     import yaml
 
     spec = root / "dvc.yaml"
@@ -126,13 +178,20 @@ def run_environment_digest(params: Params) -> dict:
     accelerate config file (path and contents), the number of processes actually running, the launch
     settings accelerate hands to the processes, the resolved precision and the device type. With it in
     the fingerprint, `make repro` followed by `make train-zero2 NPROC=2` trains from scratch instead of
-    "resuming" a single-process checkpoint that DeepSpeed cannot load."""
-    d = params.distributed
-    cfg = Path(d.accelerate_config)
+    "resuming" a single-process checkpoint that DeepSpeed cannot load.
+
+    Args:
+        params: the run's params.
+
+    Returns:
+        The launch's description, as JSON-able values.
+    """
+    distributed = params.distributed
+    cfg = Path(distributed.accelerate_config)
     return {
-        "accelerate_config": d.accelerate_config,
+        "accelerate_config": distributed.accelerate_config,
         "accelerate_config_sha": file_digest(cfg) if cfg.is_file() else "missing",
-        "distributed": d.model_dump(mode="json"),
+        "distributed": distributed.model_dump(mode="json"),
         "world_size": world_size(),
         "launch_env": {
             k: v
@@ -145,6 +204,14 @@ def run_environment_digest(params: Params) -> dict:
 
 
 def fingerprint(*parts: Any) -> str:
+    """One short digest of JSON-able parts (the resume fingerprint).
+
+    Args:
+        *parts: the values the fingerprint covers.
+
+    Returns:
+        A hex digest.
+    """
     import hashlib
 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -170,7 +237,17 @@ def resume_checkpoint(args, params: Params, stage: str, *inputs: Any) -> Optiona
     code (code_digest) and its launch (run_environment_digest); otherwise None, the directory cleared
     (common.resumable_checkpoint). Only a complete checkpoint counts: one a kill cut short inside its save is
     removed with a warning naming it, and the run resumes from the one before (common.checkpoint_problem). Rank 0
-    settles this before the other ranks look."""
+    settles this before the other ranks look.
+
+    Args:
+        args: the stage's TRL config (output_dir, save_only_model).
+        params: the run's params.
+        stage: sft or grpo.
+        *inputs: what the run trains on: params sections and digests of its data and models.
+
+    Returns:
+        The checkpoint folder to resume from, or None.
+    """
     key = fingerprint(*inputs, code_digest(stage, REPO), run_environment_digest(params))
     with args.main_process_first(local=False, desc="checkpoint fingerprint"):
         resume = resumable_checkpoint(
@@ -182,7 +259,14 @@ def resume_checkpoint(args, params: Params, stage: str, *inputs: Any) -> Optiona
 
 
 def checkpoint_step(checkpoint: Optional[str | Path]) -> int:
-    """The optimizer step a checkpoint was saved at (0 for None): where a resumed run's segment starts."""
+    """The optimizer step a checkpoint was saved at (0 for None): where a resumed run's segment starts.
+
+    Args:
+        checkpoint: a checkpoint folder (checkpoint-<step>), or None.
+
+    Returns:
+        The step.
+    """
     if not checkpoint:
         return 0
     state = Path(checkpoint) / "trainer_state.json"
@@ -193,7 +277,15 @@ def checkpoint_step(checkpoint: Optional[str | Path]) -> int:
 
 def train(trainer, resume: Optional[str]) -> tuple[Any, dict]:
     """trainer.train(resume_from_checkpoint=resume): its TrainOutput and what every training run reports
-    (steps, time, the steps and time of this run's own segment when it resumed, learning rate, launch)."""
+    (steps, time, the steps and time of this run's own segment when it resumed, learning rate, launch).
+
+    Args:
+        trainer: the stage's TRL trainer.
+        resume: the checkpoint to resume from, or None.
+
+    Returns:
+        (TrainOutput, the run's report).
+    """
     t0 = time.time()
     out = trainer.train(resume_from_checkpoint=resume)
     runtime = time.time() - t0
@@ -211,7 +303,18 @@ def train(trainer, resume: Optional[str]) -> tuple[Any, dict]:
 
 
 def save(trainer, tokenizer, stage: str, metrics_path: str, metrics: dict) -> dict:
-    """models/<stage>/ (model or adapter, tokenizer) and the metrics with the process's peak memory."""
+    """models/<stage>/ (model or adapter, tokenizer) and the metrics with the process's peak memory.
+
+    Args:
+        trainer: the trained TRL trainer.
+        tokenizer: the tokenizer saved with the model.
+        stage: sft or grpo.
+        metrics_path: where the metrics go (metrics/<stage>_train.json).
+        metrics: the stage's metrics.
+
+    Returns:
+        The metrics written.
+    """
     metrics["peak_rss_mb"] = peak_rss_mb()
     save_stage_result(trainer, tokenizer, STAGE_DIRS[stage], metrics_path, metrics)
     return metrics
@@ -219,10 +322,16 @@ def save(trainer, tokenizer, stage: str, metrics_path: str, metrics: dict) -> di
 
 def main(stage: str, train_stage: Callable[[Params], dict], *errors: type[Exception]) -> None:
     """`train_stage(params.yaml)`; a value the TRL config rejects (ParamsError, named by its section) or one of
-    the stage's own `errors` ends the process with exit status 2 and the message."""
+    the stage's own `errors` ends the process with exit status 2 and the message.
+
+    Args:
+        stage: sft or grpo (the logger's name).
+        train_stage: the stage's train(params).
+        *errors: the stage's own configuration errors.
+    """
     params = load_params_or_exit()
     try:
         train_stage(params)
-    except (ParamsError, *errors) as e:
-        get_logger(stage).error("%s", e)
+    except (ParamsError, *errors) as error:
+        get_logger(stage).error("%s", error)
         raise SystemExit(2) from None

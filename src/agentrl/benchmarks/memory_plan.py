@@ -1,0 +1,497 @@
+"""`make memory-plan` (scripts/memory_plan.py): the predicted peak memory per process of SFT and GRPO for a recipe
+(model dims, LoRA or full, precision, ZeRO stage, processes, batch, sequence and generation lengths), and which GPU
+sizes that fits. Model states come from DeepSpeed's own estimators (estimate_zero2/zero3_model_states_mem_needs)
+where DeepSpeed runs; activations, TRL's fused LM head and the KV cache from the model's dims. `relative_error`
+checks a plan against measured peaks (the CPU rehearsal's). On six fp32 full fine-tuning steps on the CPU (5-19M
+parameters, batch 2-16, 256-512 tokens, checkpointing on and off, TRL's fused head) the plan was within -15%..+13%
+of the measured peak RSS growth.
+
+The model dims come from params, never the hub: model.tiny for "tiny", a local directory's config.json, or
+KNOWN_ARCHITECTURES for a hub id (Qwen/Qwen3-0.6B: the table gpu_check_setup builds its stand-in from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from .gpu_check_setup import QWEN3_0_6B, ROOT
+from .measure import matmul_parameters, model_dims
+
+GB = 1e9  # GPU sizes are sold in decimal gigabytes
+GPU_SIZES_GB = (8, 12, 16, 24, 40, 80)
+CUDA_RESERVE_BYTES = 1.0 * GB  # the CUDA context and the caching allocator's fragmentation, per GPU
+KNOWN_ARCHITECTURES = {"Qwen/Qwen3-0.6B": QWEN3_0_6B}  # config.json dims of the hub models recipes name
+BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAPTER_BYTES = 4  # PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype) whatever the base model's dtype
+# fp32 tiles of TRL's fused LM head alive at its peak (activation_bytes): measured on the CPU (its torch path keeps the
+# tile's logits, probabilities, log-probabilities and gradient terms); on a GPU the Triton kernels keep the projection
+# buffer and the backward's, an estimate until a GPU run measures it
+FUSED_HEAD_TILES = {"cpu": 10, "gpu": 2}
+PROMPT_TOKENS = 256  # --prompt-tokens: GRPO's prompt length (a chat-templated GSM8K question fits)
+
+
+def _lora_shapes(dims: dict) -> dict:
+    """The projections a LoRA target_modules entry can name, Qwen3's layout.
+
+    Args:
+        dims: model_dims' dict.
+
+    Returns:
+        {module name: (in features, out features)}.
+    """
+    h, i, d = dims["hidden_size"], dims["intermediate_size"], dims["head_dim"]
+    q, kv = dims["num_attention_heads"] * d, dims["num_key_value_heads"] * d
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One training phase's shape per process.
+
+    lora_r: the LoRA rank, or None for full fine-tuning.
+    lora_modules: the LoRA target modules (names of _lora_shapes, or "all-linear").
+    batch: sequences per micro-batch (per_device_train_batch_size).
+    sequence: tokens per trained sequence.
+    checkpointing: activation checkpointing on.
+    logits_tokens: tokens per sequence the loss scores (all for SFT, the completion for GRPO).
+    """
+
+    lora_r: int | None
+    lora_modules: tuple
+    batch: int
+    sequence: int
+    checkpointing: bool
+    logits_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What the plan needs of a recipe. generation_tokens, reference_model and vllm_share are GRPO's."""
+
+    name: str
+    dims: dict
+    device: str  # "gpu" or "cpu": the fused LM head's kernels differ (FUSED_HEAD_TILES)
+    precision: str
+    zero_stage: int  # 0: no DeepSpeed (single process or DDP: everything replicated)
+    offload_optimizer: bool
+    offload_params: bool
+    processes: int
+    sft: Phase
+    grpo: Phase
+    generation_tokens: int  # prompt + completion: the KV cache's length while sampling
+    reference_model: bool  # a separate frozen copy (beta > 0 without LoRA; with LoRA the adapter is switched off)
+    vllm_share: float  # the GPU memory fraction vLLM colocate takes (0 without it)
+
+
+def lora_parameters(dims: dict, r: int, modules) -> int:
+    """The trainable parameters of LoRA adapters: r * (in + out) per targeted projection per layer.
+
+    Args:
+        dims: model_dims' dict.
+        r: the rank.
+        modules: target module names, or "all-linear".
+
+    Returns:
+        The count.
+    """
+    shapes = _lora_shapes(dims)
+    names = list(shapes) if modules == "all-linear" else list(modules)
+    unknown = [m for m in names if m not in shapes]
+    if unknown:
+        raise ValueError(f"lora.target_modules: unknown module {unknown[0]!r}, expected some of {sorted(shapes)}")
+    return dims["num_hidden_layers"] * sum(r * sum(shapes[m]) for m in names)
+
+
+def _deepspeed_states(trainable: int, largest_layer: int, recipe: Recipe) -> int:
+    """DeepSpeed's estimate of the GPU bytes of `trainable` parameters' 16-bit weights, gradients, fp32 master
+    weights and Adam states per process (ZeRO-2 or ZeRO-3, one node).
+
+    Args:
+        trainable: the parameters the optimizer updates.
+        largest_layer: ZeRO-3 gathers one layer at a time: the largest one's parameters (the embedding).
+        recipe: zero_stage, processes and offloading.
+
+    Returns:
+        Bytes per GPU.
+    """
+    if recipe.zero_stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        return estimate_zero2_model_states_mem_needs(
+            trainable, num_gpus_per_node=recipe.processes, cpu_offload=recipe.offload_optimizer
+        )[1]
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    return estimate_zero3_model_states_mem_needs(
+        trainable,
+        largest_layer,
+        num_gpus_per_node=recipe.processes,
+        cpu_offload=recipe.offload_optimizer,
+        cpu_offload_params=recipe.offload_params,
+    )[1]
+
+
+def model_state_bytes(recipe: Recipe, phase: Phase) -> int:
+    """Weights, gradients and optimizer states per process. Under DeepSpeed (bf16/fp16) DeepSpeed's estimators give
+    the trainable parameters' share; frozen base weights (LoRA) add their bytes, split over the processes under
+    ZeRO-3. Without DeepSpeed, or in fp32 (no separate master copy), every trainable parameter holds weight,
+    gradient and AdamW's two moments in its own dtype, sharded as ZeRO-2/3 shard them.
+
+    Args:
+        recipe: the recipe.
+        phase: its SFT or GRPO phase.
+
+    Returns:
+        Bytes.
+    """
+    dims, p = recipe.dims, BYTES_PER_VALUE[recipe.precision]
+    total = matmul_parameters(dims)  # tied embeddings: the LM head is the embedding, counted once
+    largest_layer = dims["vocab_size"] * dims["hidden_size"]
+    if phase.lora_r is None:
+        trainable, frozen, trainable_bytes = total, 0, p
+    else:
+        trainable, frozen, trainable_bytes = lora_parameters(dims, phase.lora_r, phase.lora_modules), total, 4
+    split = recipe.processes if recipe.zero_stage == 3 else 1
+    frozen_bytes = frozen * p // split
+    if recipe.zero_stage in (2, 3) and recipe.precision != "fp32":
+        return frozen_bytes + _deepspeed_states(trainable, largest_layer, recipe)
+    if phase.lora_r is not None:
+        trainable_bytes = ADAPTER_BYTES
+    if recipe.zero_stage == 0:
+        return frozen_bytes + 4 * trainable_bytes * trainable
+    weights = trainable * trainable_bytes // split
+    return frozen_bytes + weights + 3 * trainable * trainable_bytes // recipe.processes  # gradient + 2 moments
+
+
+def fused_head_bytes(dims: dict, scored_tokens: int, device: str) -> int:
+    """TRL's fused LM head (trl.trainer.utils.add_fused_lm_head, which SFTTrainer and GRPOTrainer install): the logits
+    are never held whole; the head projects tiles of TOKEN_CHUNK_SIZE tokens x _CHUNKED_LOGPROB_CHUNK_SIZE
+    vocabulary entries, read here from TRL, with FUSED_HEAD_TILES of them alive in fp32 at the peak.
+
+    Args:
+        dims: model_dims' dict.
+        scored_tokens: the micro-batch's tokens the loss scores.
+        device: "gpu" or "cpu".
+
+    Returns:
+        Bytes.
+    """
+    from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    tile = min(scored_tokens, TOKEN_CHUNK_SIZE) * min(dims["vocab_size"], _CHUNKED_LOGPROB_CHUNK_SIZE)
+    return FUSED_HEAD_TILES[device] * tile * 4
+
+
+def activation_bytes(dims: dict, phase: Phase, precision: str, device: str) -> int:
+    """What the backward pass keeps of one micro-batch, plus the LM head's tiles. Per token and layer a Qwen3 layer
+    (SwiGLU, GQA, RMSNorm, SDPA: no seq x seq scores kept) stores 4h + 4*q + 4*kv + 4i values: the two norms' inputs
+    and outputs; q, k, v before and after their norm and RoPE; the attention output; gate, up, act(gate) and their
+    product. With activation checkpointing only each layer's input stays, and one layer is recomputed at a time.
+
+    Args:
+        dims: model_dims' dict.
+        phase: the batch, sequence, checkpointing and scored tokens.
+        precision: the activations' dtype.
+        device: "gpu" or "cpu" (fused_head_bytes).
+
+    Returns:
+        Bytes.
+    """
+    p, h, d = BYTES_PER_VALUE[precision], dims["hidden_size"], dims["head_dim"]
+    q, kv = dims["num_attention_heads"] * d, dims["num_key_value_heads"] * d
+    per_layer = 4 * h + 4 * q + 4 * kv + 4 * dims["intermediate_size"]
+    tokens, layers = phase.batch * phase.sequence, dims["num_hidden_layers"]
+    kept = layers * h + per_layer if phase.checkpointing else layers * per_layer
+    return tokens * kept * p + fused_head_bytes(dims, phase.batch * phase.logits_tokens, device)
+
+
+def kv_cache_bytes(dims: dict, batch: int, tokens: int, precision: str) -> int:
+    """The KV cache of `batch` sequences of `tokens` tokens: keys and values of every layer.
+
+    Args:
+        dims: model_dims' dict.
+        batch: sequences sampled at once.
+        tokens: prompt + completion.
+        precision: the cache's dtype.
+
+    Returns:
+        Bytes.
+    """
+    per_token = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"]
+    return per_token * batch * tokens * BYTES_PER_VALUE[precision]
+
+
+def plan(recipe: Recipe) -> dict:
+    """The predicted peak bytes per process of SFT and of GRPO, by component. GRPO samples (KV cache), then trains
+    (activations): the peak is the model states plus the larger of the two.
+
+    Args:
+        recipe: the recipe.
+
+    Returns:
+        {"sft": {"model_states", "activations", "total"}, "grpo": {"model_states", "reference_model",
+        "kv_cache", "activations", "total"}, "vllm_share"}.
+    """
+    sft = {"model_states": model_state_bytes(recipe, recipe.sft)}
+    sft["activations"] = activation_bytes(recipe.dims, recipe.sft, recipe.precision, recipe.device)
+    sft["total"] = sft["model_states"] + sft["activations"]
+    split = recipe.processes if recipe.zero_stage == 3 else 1
+    reference = matmul_parameters(recipe.dims) * BYTES_PER_VALUE[recipe.precision] // split
+    grpo = {
+        "model_states": model_state_bytes(recipe, recipe.grpo),
+        "reference_model": reference if recipe.reference_model else 0,
+        "kv_cache": 0
+        if recipe.vllm_share
+        else kv_cache_bytes(recipe.dims, recipe.grpo.batch, recipe.generation_tokens, recipe.precision),
+        "activations": activation_bytes(recipe.dims, recipe.grpo, recipe.precision, recipe.device),
+    }
+    grpo["total"] = grpo["model_states"] + grpo["reference_model"] + max(grpo["kv_cache"], grpo["activations"])
+    return {"sft": sft, "grpo": grpo, "vllm_share": recipe.vllm_share}
+
+
+def relative_error(predicted: dict, measured: dict) -> dict:
+    """How far a plan is from measured peaks: (predicted - measured) / measured per phase.
+
+    Args:
+        predicted: plan's dict (its phases' "total" are compared).
+        measured: measured peak bytes per phase, e.g. {"sft": 1.2e9, "grpo": 2.0e9}.
+
+    Returns:
+        {phase: relative error} for every measured phase.
+    """
+    errors = {}
+    for phase, peak in measured.items():
+        if phase not in ("sft", "grpo"):
+            raise ValueError(f"relative_error: measured phase {phase!r} is not planned (expected 'sft' or 'grpo')")
+        if peak <= 0:
+            raise ValueError(f"relative_error: measured peak of {phase!r} must be positive bytes, got {peak}")
+        errors[phase] = (predicted[phase]["total"] - peak) / peak
+    return errors
+
+
+def smallest_gpu(total: float, vllm_share: float = 0.0) -> int | None:
+    """The smallest of GPU_SIZES_GB whose memory, less CUDA_RESERVE_BYTES and vLLM's share, holds `total` bytes.
+
+    Args:
+        total: the predicted peak per process.
+        vllm_share: the fraction vLLM colocate takes.
+
+    Returns:
+        The size in GB, or None when none holds it.
+    """
+    return next((g for g in GPU_SIZES_GB if total <= g * GB * (1 - vllm_share) - CUDA_RESERVE_BYTES), None)
+
+
+# ------------------------------------------------------------------------------ recipes from params
+def dims_for(model: dict) -> tuple[dict, str]:
+    """The model's dims from params' model section, without the hub.
+
+    Args:
+        model: params' model section.
+
+    Returns:
+        (model_dims' dict, where they come from).
+    """
+    base = model["base_model"]
+    if base == "tiny":
+        return model_dims(model["tiny"], "params model.tiny"), "model.tiny"
+    config = Path(base) / "config.json"
+    if config.is_file():
+        return model_dims(json.loads(config.read_text()), str(config)), str(config)
+    if base in KNOWN_ARCHITECTURES:
+        return model_dims(KNOWN_ARCHITECTURES[base], f"KNOWN_ARCHITECTURES[{base!r}]"), f"{base}'s config.json dims"
+    raise ValueError(
+        f"model.base_model {base!r}: no local config.json and not in KNOWN_ARCHITECTURES {sorted(KNOWN_ARCHITECTURES)}"
+        " (the plan never reads the hub: add its config.json dims there)"
+    )
+
+
+def _trainer_value(trainer: dict, key: str, config_class):
+    """A trainer key as TRL resolves it: params' value, else the config class's default.
+
+    Args:
+        trainer: params' sft.trainer or grpo.trainer.
+        key: the TRL argument.
+        config_class: trl.SFTConfig or trl.GRPOConfig.
+
+    Returns:
+        The value.
+    """
+    if trainer.get(key) is not None:
+        return trainer[key]
+    return {f.name: f.default for f in dataclasses.fields(config_class)}[key]
+
+
+def _checkpointing(trainer: dict, config_class) -> bool:
+    """Whether TRL checkpoints activations: activation_checkpointing (its newer name) when set, else
+    gradient_checkpointing.
+
+    Args:
+        trainer: params' sft.trainer or grpo.trainer.
+        config_class: trl.SFTConfig or trl.GRPOConfig.
+
+    Returns:
+        True when on.
+    """
+    value = trainer.get("activation_checkpointing")
+    return bool(value if value is not None else _trainer_value(trainer, "gradient_checkpointing", config_class))
+
+
+def recipe_from_params(tree: dict, name: str, device: str = "gpu", prompt_tokens: int = PROMPT_TOKENS) -> Recipe:
+    """A Recipe from a params tree (params.yaml with a recipe applied).
+
+    Args:
+        tree: the params as a dict.
+        name: the recipe's name for the report.
+        device: "gpu" or "cpu": what precision "auto" becomes (bf16 or fp32).
+        prompt_tokens: GRPO's prompt length.
+
+    Returns:
+        The Recipe.
+    """
+    import yaml
+    from trl import GRPOConfig, SFTConfig
+
+    dims, _ = dims_for(tree["model"])
+    precision = tree["model"]["precision"]
+    if precision == "auto":
+        precision = "bf16" if device == "gpu" else "fp32"
+    accelerate = yaml.safe_load((ROOT / tree["distributed"]["accelerate_config"]).read_text())
+    deepspeed = accelerate.get("deepspeed_config", {}) if accelerate.get("distributed_type") == "DEEPSPEED" else {}
+    sft_t, grpo_t = tree["sft"]["trainer"], tree["grpo"]["trainer"]
+    sequence = _trainer_value(sft_t, "max_length", SFTConfig)
+    completion = _trainer_value(grpo_t, "max_completion_length", GRPOConfig)
+
+    def lora(section: dict) -> tuple:  # (rank, target modules), or (None, ()) for full fine-tuning
+        return (section["lora"]["r"], section["lora"]["target_modules"]) if section["use_lora"] else (None, ())
+
+    grpo_vllm = _trainer_value(grpo_t, "use_vllm", GRPOConfig) and _trainer_value(grpo_t, "vllm_mode", GRPOConfig)
+    return Recipe(
+        name=name,
+        dims=dims,
+        device=device,
+        precision=precision,
+        zero_stage=int(deepspeed.get("zero_stage", 0)),
+        offload_optimizer=deepspeed.get("offload_optimizer_device", "none") != "none",
+        offload_params=deepspeed.get("offload_param_device", "none") != "none",
+        processes=int(tree["distributed"]["num_processes"]),
+        sft=Phase(
+            *lora(tree["sft"]),
+            sft_t["per_device_train_batch_size"],
+            sequence,
+            _checkpointing(sft_t, SFTConfig),
+            sequence,
+        ),  # fmt: skip
+        grpo=Phase(
+            *lora(tree["grpo"]),
+            grpo_t["per_device_train_batch_size"],
+            prompt_tokens + completion,
+            _checkpointing(grpo_t, GRPOConfig),
+            completion,
+        ),  # fmt: skip
+        generation_tokens=prompt_tokens + completion,
+        reference_model=_trainer_value(grpo_t, "beta", GRPOConfig) > 0 and not tree["grpo"]["use_lora"],
+        vllm_share=_trainer_value(grpo_t, "vllm_gpu_memory_utilization", GRPOConfig)
+        if grpo_vllm == "colocate"
+        else 0.0,
+    )
+
+
+def load_tree(recipe: Path | None) -> dict:
+    """params.yaml, with a recipe applied as scripts/recipe.py applies it (DVC's `-S` code).
+
+    Args:
+        recipe: a configs/recipes/*.yaml file, or None for params.yaml alone.
+
+    Returns:
+        The params as a dict.
+    """
+    from agentrl.experiments import overrides
+    from agentrl.experiments.recipe import overrides as recipe_args
+
+    text = (ROOT / "params.yaml").read_text()
+    return overrides.load(overrides.apply(text, recipe_args(recipe)) if recipe else text)
+
+
+# ------------------------------------------------------------------------------------ the report
+def _fit_text(total: float, vllm_share: float) -> str:
+    """smallest_gpu's answer as words.
+
+    Args:
+        total: the predicted peak per process.
+        vllm_share: the fraction vLLM colocate takes.
+
+    Returns:
+        "fits one 24 GB GPU" or "needs more than one 80 GB GPU".
+    """
+    gpu = smallest_gpu(total, vllm_share)
+    return f"fits one {gpu} GB GPU" if gpu else f"needs more than one {GPU_SIZES_GB[-1]} GB GPU"
+
+
+def report(recipe: Recipe) -> list[str]:
+    """The plan of a recipe as it is, and of its SFT and GRPO under no ZeRO, ZeRO-2 and ZeRO-3 on 1, 2 and 4
+    processes (the batch per process unchanged); for a LoRA recipe also its SFT as full fine-tuning, where the ZeRO
+    stage matters.
+
+    Args:
+        recipe: the recipe.
+
+    Returns:
+        Printable lines.
+    """
+    gib = 2**30
+    vllm = f", vLLM colocate takes {recipe.vllm_share:.0%} of each GPU" if recipe.vllm_share else ""
+    head = (
+        f"{recipe.name}: {matmul_parameters(recipe.dims) / 1e6:,.1f}M parameters, {recipe.precision}, "
+        f"ZeRO-{recipe.zero_stage}, {recipe.processes} process(es){vllm}"
+    )
+    lines = [head]
+    for zero in (0, 2, 3):
+        for processes in (1, 2, 4):
+            if zero == 0 and processes > 1:
+                continue  # DDP replicates: the same per process as one
+            r = dataclasses.replace(recipe, zero_stage=zero, processes=processes)
+            p = plan(r)
+            mark = " <- the recipe" if (zero, processes) == (recipe.zero_stage, recipe.processes) else ""
+            full = ""
+            if recipe.sft.lora_r is not None:
+                sft_full = plan(dataclasses.replace(r, sft=dataclasses.replace(r.sft, lora_r=None)))["sft"]["total"]
+                full = f"; SFT without LoRA {sft_full / gib:.2f} GiB ({_fit_text(sft_full, 0)})"
+            lines.append(
+                f"  ZeRO-{zero} x {processes}: SFT {p['sft']['total'] / gib:.2f} GiB "
+                f"({_fit_text(p['sft']['total'], 0)}), GRPO {p['grpo']['total'] / gib:.2f} GiB "
+                f"({_fit_text(p['grpo']['total'], recipe.vllm_share)}) per process{full}{mark}"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`make memory-plan`: the plan of params.yaml and of each recipe, printed.
+
+    Args:
+        argv: the arguments (None: sys.argv[1:]).
+    """
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipes", nargs="*", type=Path, help="default: params.yaml and configs/recipes/*.yaml")
+    ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="what precision auto means")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="GRPO's prompt length")
+    args = ap.parse_args(argv)
+    recipes = args.recipes or [None, *sorted((ROOT / "configs/recipes").glob("*.yaml"))]
+    print(f"Predicted peak memory per process ({args.device}; every sequence at its maximum length, GRPO prompts of "
+          f"{args.prompt_tokens} tokens; a GPU keeps {CUDA_RESERVE_BYTES / GB:.0f} GB for CUDA):")  # fmt: skip
+    for path in recipes:
+        name = "params.yaml" if path is None else os.path.relpath(path.resolve(), ROOT)
+        print("\n".join(report(recipe_from_params(load_tree(path), name, args.device, args.prompt_tokens))))
