@@ -138,8 +138,8 @@ RECIPE ?=
 recipe: setup ## a params recipe (RECIPE=configs/recipes/...) as one validated DVC experiment
 	python scripts/recipe.py run $(or $(strip $(RECIPE)),configs/recipes/qwen3-0.6b-gsm8k.yaml) -- $(DVC_EXP_ARGS)
 
-# An environment preset (configs/envs/<ENV>.yaml: countdown, countdown-nofeedback, gridworld, gridworld-local,
-# gridworld-explore, gridworld-5x5, gridworld-look, calculator-chat) as the named experiment env-<ENV> in a temporary workspace
+# An environment preset (configs/envs/<ENV>.yaml: countdown*, gridworld*, calculator-chat, rg-chain-sum, rg-products,
+# rg-basic-arithmetic, rg-gcd, frozenlake, mixture) as the named experiment env-<ENV> in a temporary workspace
 # (the workspace's own results stay), then its metrics copied to docs/envs/<ENV>/ (scripts/env_results.py) so the
 # README's environment rows trace to files.
 ENV ?= countdown

@@ -118,16 +118,7 @@ def _eval_stage_figures(params, n: int, stage: str, repeats: int) -> dict:
 
 
 def _loop_and_grpo_figures(params, n: int, repeats: int) -> dict:
-    """The tool loop against plain generate, and the GRPO step.
-
-    Args:
-        params: the validated params.
-        n: held-out problems.
-        repeats: runs of each.
-
-    Returns:
-        metrics/bench.json's tool_loop, tool_loop_vs_plain_generate_ratio and grpo.
-    """
+    """The tool loop against plain generate, and the GRPO step."""
     loops = [tool_loop_speed(params, n) for _ in range(repeats)]
     res: dict = {
         "tool_loop": {
@@ -226,14 +217,7 @@ def bench_results(params, repeats: int, repro_repeats: int, skip_dvc: bool, n: i
 
 
 def _sft_rows(res: dict) -> list[str]:
-    """BENCHMARKS.md's SFT rows.
-
-    Args:
-        res: bench_results' dict.
-
-    Returns:
-        Table lines.
-    """
+    """BENCHMARKS.md's SFT rows."""
     s, mm = res["sft_step_seconds"], median_range
     return [
         f"| SFT step, ours | {mm(s['ours'])} s | "
@@ -252,15 +236,7 @@ def _sft_rows(res: dict) -> list[str]:
 
 
 def _eval_rows(res: dict, params) -> list[str]:
-    """BENCHMARKS.md's evaluation rows, four per stage and the headline speed-up.
-
-    Args:
-        res: bench_results' dict.
-        params: the validated params (eval.batch_size).
-
-    Returns:
-        Table lines.
-    """
+    """BENCHMARKS.md's evaluation rows, four per stage and the headline speed-up."""
     n, mm, lines = res["eval_problems"], median_range, []
     for stage, e in res["eval"].items():
         lines += [
@@ -282,15 +258,7 @@ def _eval_rows(res: dict, params) -> list[str]:
 
 
 def _grpo_and_loop_rows(res: dict, params) -> list[str]:
-    """BENCHMARKS.md's GRPO and tool-loop rows.
-
-    Args:
-        res: bench_results' dict.
-        params: the validated params (eval.batch_size).
-
-    Returns:
-        Table lines.
-    """
+    """BENCHMARKS.md's GRPO and tool-loop rows."""
     g, loop, n, mm = res["grpo"], res["tool_loop"], res["eval_problems"], median_range
     return [
         f"| GRPO optimizer step | {mm(g['seconds_per_step'])} s, {g['completions_per_step']} completions | "
@@ -311,14 +279,7 @@ def _grpo_and_loop_rows(res: dict, params) -> list[str]:
 
 
 def _dvc_rows(res: dict) -> list[str]:
-    """BENCHMARKS.md's pipeline rows and the peak RSS and accuracy lines under the table.
-
-    Args:
-        res: bench_results' dict, with the dvc timings.
-
-    Returns:
-        Lines.
-    """
+    """BENCHMARKS.md's pipeline rows and the peak RSS and accuracy lines under the table."""
     change, mm = res["grpo_change_repro"], median_range
     change_over_full = change["seconds"]["median"] / res["full_repro_seconds"]["median"]
     return [

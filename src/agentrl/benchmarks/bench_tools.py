@@ -201,15 +201,7 @@ def tools_results(params, repeats: int, n: int) -> dict:
 
 
 def _tool_loop_rows(res: dict, params) -> list[str]:
-    """BENCHMARKS-tools.md's rows on the tool loop, the GRPO step with tools and the decode ceiling.
-
-    Args:
-        res: tools_results' dict.
-        params: the validated params (eval.max_new_tokens).
-
-    Returns:
-        Table lines.
-    """
+    """BENCHMARKS-tools.md's rows on the tool loop, the GRPO step with tools and the decode ceiling."""
     t, g, mm = res["tool_loop"], res["grpo"], median_range
     return [
         f"| tool loop, tokens/s | {mm(t['loop_tokens_per_second'], '{:.0f}')} (sampled only: "
@@ -236,14 +228,7 @@ def _tool_loop_rows(res: dict, params) -> list[str]:
 
 
 def _chat_and_transport_rows(res: dict) -> list[str]:
-    """BENCHMARKS-tools.md's rows on the chat-format comparison and OpenEnv's transport.
-
-    Args:
-        res: tools_results' dict.
-
-    Returns:
-        Table lines.
-    """
+    """BENCHMARKS-tools.md's rows on the chat-format comparison and OpenEnv's transport."""
     c, oe, mm = res["chat_grpo"], res["openenv_transport"], median_range
     timed_steps = f"steps {CHAT_WARMUP + 1}–{CHAT_STEPS}"
     return [

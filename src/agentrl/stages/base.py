@@ -217,7 +217,7 @@ def from_hub(params: Params) -> dict:
         params: the run's params.
 
     Returns:
-        The metrics written to metrics/base.json.
+        metrics/base.json: the model id, the revision asked for, the commit it resolved to and the parameter count.
     """
     name, rev = params.model.base_model, params.model.revision
     log.info("loading %s at revision %s", name, rev)
