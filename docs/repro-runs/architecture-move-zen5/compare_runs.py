@@ -1,15 +1,21 @@
 """Compare two workspaces' dvc.lock outs (same CPU, before/after a code move): per out, identical or not; for a
 differing directory, which files differ; for a differing JSON file, which keys differ."""
-import json, sys, yaml
+
+import json
+import sys
 from pathlib import Path
+
+import yaml
 
 a_root, b_root = Path(sys.argv[1]), Path(sys.argv[2])
 a = yaml.safe_load((a_root / "dvc.lock").read_text())["stages"]
 b = yaml.safe_load((b_root / "dvc.lock").read_text())["stages"]
 
+
 def dir_listing(root, md5):
     p = root / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
     return {e["relpath"]: e["md5"] for e in json.loads(p.read_text())}
+
 
 def json_diff(x, y, prefix=""):
     out = []
@@ -19,6 +25,7 @@ def json_diff(x, y, prefix=""):
     elif x != y:
         out.append(prefix)
     return out
+
 
 same = differ = 0
 for stage, entry in a.items():
