@@ -143,6 +143,42 @@ def test_a_lost_server_mid_episode_is_an_error_result_naming_the_url():
         env.reset(numbers=[3, 5, 3], target=24)
 
 
+def test_an_episode_collected_on_the_client_loops_thread_closes_its_session_without_blocking_the_loop():
+    """An episode in a reference cycle is finalized by whichever thread the garbage collector runs on, the client
+    loop's own included. Its finalizer waited for the close on that loop: the loop stood still for the deadline
+    (2 * timeout_s + 1) and every other session's call on it timed out (CI, `make bench-tools`' test: "reading
+    its tools (state): no answer within 21 s"). Now it schedules the close and returns; the close still happens."""
+    import asyncio
+    import gc
+
+    from websockets.protocol import State
+
+    from agentrl.envs import openenv_client
+
+    server = serve_in_thread("countdown")
+    try:
+        env = remote_environment_class(server.url, "countdown", None, timeout_s=30)()
+        env.reset(numbers=[3, 5, 3], target=24)
+        ws = env._session.client._ws
+        cycle = {"env": env}
+        cycle["self"] = cycle  # only the cyclic collector frees it
+        del env, cycle
+
+        async def collect_here():
+            gc.collect()  # on the loop's thread: the episode's finalizer runs here
+
+        # the old finalizer held the loop for 61 s; 20 s is only a bound on a hang, not a speed check
+        asyncio.run_coroutine_threadsafe(collect_here(), openenv_client._loop()).result(timeout=20)
+        for _ in range(200):  # the scheduled close: OpenEnv's close message, then the server closes the socket
+            if ws.state is State.CLOSED:
+                break
+            time.sleep(0.1)
+        assert ws.state is State.CLOSED
+        assert openenv_client.describe(server.url, timeout_s=5)["environment"] == "countdown"  # the loop still serves
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------------ (d) hostile servers
 def _free_port() -> int:
     with socket.socket() as s:

@@ -65,7 +65,15 @@ def _run(coro, timeout_s: float):
     Returns:
         What the coroutine returned.
     """
-    future = asyncio.run_coroutine_threadsafe(coro, _loop())
+    loop = _loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:  # waiting here would block the very loop the coroutine needs
+        coro.close()
+        raise RuntimeError("agentrl.envs.openenv_client: _run called on the client loop's own thread (a deadlock)")
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
         return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
@@ -116,9 +124,15 @@ class Session:
             self.close()
             raise OpenEnvError(f"openenv server {self.url}: {what}: {_why(e)}") from e
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Ends the session: OpenEnv's `close` message, then the server closes the socket. (GenericEnvClient's
-        disconnect closes it from this side at once, and the server's own close then fails with a logged error.)"""
+        disconnect closes it from this side at once, and the server's own close then fails with a logged error.)
+
+        Args:
+            wait: wait for the close to finish; False only schedules it on the client loop (a finalizer: the
+                garbage collector may run it on the loop's own thread, where waiting would block that loop, and
+                every other session's call with it, until the deadline).
+        """
 
         async def bye():
             ws = self.client._ws
@@ -130,6 +144,9 @@ class Session:
             finally:
                 await self.client.disconnect()  # a no-op once the server closed; closes a socket it left open
 
+        if not wait:
+            asyncio.run_coroutine_threadsafe(asyncio.wait_for(bye(), 2 * self.timeout_s + 1), _loop())
+            return
         try:
             _run(bye(), 2 * self.timeout_s + 1)
         except Exception:  # noqa: BLE001 - closing a broken connection is best effort; the server drops it anyway
@@ -291,7 +308,7 @@ class RemoteEnvironment:
     def __del__(self):
         # at interpreter shutdown the client loop's thread may be gone: closing would wait out its deadline
         if getattr(self, "_session", None) is not None and not sys.is_finalizing():
-            self._session.close()
+            self._session.close(wait=False)
 
 
 def _get_reward(self) -> float:
