@@ -145,6 +145,17 @@ def test_looking_demos_look_before_every_action_on_the_same_slips():
         replay(b, knobs)
 
 
+def test_a_hidden_map_prompt_gives_size_start_and_goal_and_changes_nothing_else():
+    knobs = {**SLIPPERY, "look": True}
+    shown = make_rows(20, random.Random(5), "train", env_knobs=knobs, map_size=4, demo_look=0.5)
+    hidden = make_rows(20, random.Random(5), "train", env_knobs=knobs, map_size=4, demo_look=0.5, show_map=False)
+    for a, b in zip(shown, hidden):
+        assert {k: v for k, v in a.items() if k != "question"} == {k: v for k, v in b.items() if k != "question"}
+        goal = next(f"{r} {line.index('G')}" for r, line in enumerate(b["desc"]) if "G" in line)
+        assert b["question"] == f"Walk from S to G on a 4x4 lake with holes you cannot see. S: 0 0. G: {goal}."
+        replay(b, knobs)
+
+
 def test_look_answers_the_cells_around_without_a_step():
     env = GymnasiumEnv(**DETERMINISTIC, look=True)
     env.reset(seed=0)
@@ -274,6 +285,10 @@ def test_random_maps_and_looks_need_frozenlake():
         make_rows(1, random.Random(0), "test", env_knobs={"env_id": "Taxi-v4"}, map_size=4)
     with pytest.raises(ValueError, match="demo_look > 0 needs the look action"):
         make_rows(1, random.Random(0), "test", demo_look=0.5)
+    with pytest.raises(ValueError, match="show_map: only FrozenLake's prompt shows a map; Taxi-v4"):
+        make_rows(1, random.Random(0), "test", env_knobs={"env_id": "Taxi-v4"}, show_map=False)
+    with pytest.raises(ValueError, match=r"environments\.gymnasium\.show_map: expected true or false, got 'no'"):
+        make_rows(1, random.Random(0), "test", show_map="no")
 
 
 @pytest.mark.parametrize(

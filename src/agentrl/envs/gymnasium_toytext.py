@@ -15,7 +15,8 @@ stepping, seeding and time limit (`max_episode_steps=max_steps`); this module on
   happened: `slip` (the env took a less likely transition than the action's most likely one), `hole`, `cliff`,
   `illegal` (Taxi's -10), `goal`, `end` (another terminal state), `timeout` (max_steps used).
 - with `look: true` (FrozenLake) `act("look")` stays put and answers the position and the cells up, down, left and
-  right (`1 2 : F H # G`, `#` past the edge) without stepping the env (no step used, no slip drawn).
+  right (`1 2 : F H # G`, `#` past the edge) without stepping the env (no step used, no slip drawn). With
+  `show_map: false` the prompt gives only the map's size, S and G: the holes are found by looking.
 - `get_reward()` is the episode's return (the sum of the env's rewards); "solved" (`correct`) is the env's own
   verdict: the episode terminated on a goal transition, one whose reward is the best any terminal transition of P
   pays (FrozenLake's goal 1 beats a hole's 0; CliffWalking's and Taxi's only terminal transitions are the goal's).
@@ -49,6 +50,7 @@ GEN_DEFAULTS: dict = {
     "map_frozen": 0.8,  # random maps: the probability that a cell is frozen (generate_random_map's p, 0.1-1)
     "demo_explore": 0.0,  # share of the teacher's actions drawn at random among all actions (0-0.9)
     "demo_look": 0.0,  # share of the demonstrations that look before every action (0-1; needs look)
+    "show_map": True,  # FrozenLake: the prompt shows the map; false: only its size, S and G (holes seen by looking)
 }
 ENV_DEFAULTS: dict = {
     "env_id": "FrozenLake-v1",  # any registered Gymnasium env with Discrete spaces and a transition table P
@@ -473,11 +475,17 @@ def instance_key(row: dict) -> str:
     return f"{row.get('env_id')}|{'/'.join(row.get('desc') or [])}|{row.get('start')}|{row.get('seed')}"
 
 
-def question(env: GymnasiumEnv) -> str:
-    """The prompt of the episode `env` was just reset to: the map where there is one, and the start."""
+def question(env: GymnasiumEnv, show_map: bool = True) -> str:
+    """The prompt of the episode `env` was just reset to: the map where there is one (FrozenLake with show_map
+    false: only its size and where S and G are, so the holes are found by looking), and the start."""
     start = env._view(env.start)
     if env.family == "FrozenLakeEnv":
-        return "Walk from S to G. H is a hole.\n" + "\n".join(" ".join(line) for line in env._map())
+        grid = env._map()
+        if not show_map:
+            goal = next(r * len(grid[0]) + line.index("G") for r, line in enumerate(grid) if "G" in line)
+            size = f"{len(grid)}x{len(grid[0])}"
+            return f"Walk from S to G on a {size} lake with holes you cannot see. S: {start}. G: {env._view(goal)}."
+        return "Walk from S to G. H is a hole.\n" + "\n".join(" ".join(line) for line in grid)
     if env.family == "CliffWalkingEnv":
         return f"Walk to the goal, row 3 column 11, along the cliff on row 3. Start: {start}"
     if env.family == "TaxiEnv":
@@ -524,6 +532,8 @@ def _gen_knobs(knobs: dict) -> dict:
     size = k["map_size"]
     if not isinstance(size, int) or isinstance(size, bool) or not (size == 0 or 2 <= size <= 8):
         raise ValueError(f"{KNOBS}.map_size: expected 0 (the env's own map) or an integer in 2..8, got {size!r}")
+    if not isinstance(k["show_map"], bool):
+        raise ValueError(f"{KNOBS}.show_map: expected true or false, got {k['show_map']!r}")
     for name, low, high in (("map_frozen", 0.1, 1.0), ("demo_explore", 0.0, 0.9), ("demo_look", 0.0, 1.0)):
         v = k[name]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
@@ -562,6 +572,8 @@ def make_rows(
     env = GymnasiumEnv(**{**ENV_DEFAULTS, **(env_knobs or {})})
     if k["map_size"] and env.family != "FrozenLakeEnv":
         raise ValueError(f"{KNOBS}.map_size: random maps are FrozenLake's; {env.env_id} is a {env.family}")
+    if not k["show_map"] and env.family != "FrozenLakeEnv":
+        raise ValueError(f"{KNOBS}.show_map: only FrozenLake's prompt shows a map; {env.env_id} is a {env.family}")
     from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
     seen = set(exclude)
@@ -587,7 +599,7 @@ def make_rows(
         seen.add(key)
         rows.append(
             {
-                "question": question(env),
+                "question": question(env, k["show_map"]),
                 "answer": answer,
                 "ground_truth": "goal",
                 **row,
