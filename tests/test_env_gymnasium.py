@@ -154,6 +154,8 @@ def test_a_hidden_map_prompt_gives_size_start_and_goal_and_changes_nothing_else(
         goal = next(f"{r} {line.index('G')}" for r, line in enumerate(b["desc"]) if "G" in line)
         assert b["question"] == f"Walk from S to G on a 4x4 lake with holes you cannot see. S: 0 0. G: {goal}."
         replay(b, knobs)
+    with pytest.raises(ValueError, match="without its map .*show_map: false.* pass the row's 'seed' and 'desc'"):
+        GymnasiumEnv(**knobs).reset(question=hidden[0]["question"])  # a served prompt: nothing to rebuild it from
 
 
 def test_look_answers_the_cells_around_without_a_step():

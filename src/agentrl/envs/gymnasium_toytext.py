@@ -70,6 +70,7 @@ TAXI_STOPS = "RGYB"  # Taxi's four locations, in the order its state encodes the
 LOOK_ORDER = ((-1, 0), (1, 0), (0, -1), (0, 1))  # up, down, left, right: the cells a look lists
 OUTSIDE = "#"
 MAP_CELLS = "SFHG"
+HIDDEN_MAP_PROMPT = "lake with holes you cannot see"  # show_map: false (the prompt has no map to read a row from)
 MAX_ACTION_CHARS = 20  # longer tool arguments are refused before any string work
 MAX_ATTEMPTS_PER_ROW = 200
 # the teacher discounts a little: among plans of equal return (FrozenLake's goal in 6 steps or in 12) it takes the
@@ -448,6 +449,11 @@ def _instance(row: dict, env: GymnasiumEnv) -> tuple[int, Optional[tuple[str, ..
     if "env_id" in row and row["env_id"] != env.env_id:
         raise ValueError(f"{where}: made for env_id {row['env_id']!r}, but {KNOBS}.env_id is {env.env_id!r}")
     seed = row.get("seed")
+    if "seed" not in row and HIDDEN_MAP_PROMPT in (row_text(row) or ""):
+        raise ValueError(
+            f"{where}: a FrozenLake prompt without its map ({KNOBS}.show_map: false) cannot be played from its text "
+            "alone: pass the row's 'seed' and 'desc' (data/prepared/*.jsonl has them)"
+        )
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise ValueError(f"{where}: 'seed' must be a non-negative integer (env.reset(seed=...)), got {seed!r}")
     desc = row.get("desc")
@@ -484,7 +490,7 @@ def question(env: GymnasiumEnv, show_map: bool = True) -> str:
         if not show_map:
             goal = next(r * len(grid[0]) + line.index("G") for r, line in enumerate(grid) if "G" in line)
             size = f"{len(grid)}x{len(grid[0])}"
-            return f"Walk from S to G on a {size} lake with holes you cannot see. S: {start}. G: {env._view(goal)}."
+            return f"Walk from S to G on a {size} {HIDDEN_MAP_PROMPT}. S: {start}. G: {env._view(goal)}."
         return "Walk from S to G. H is a hole.\n" + "\n".join(" ".join(line) for line in grid)
     if env.family == "CliffWalkingEnv":
         return f"Walk to the goal, row 3 column 11, along the cliff on row 3. Start: {start}"
