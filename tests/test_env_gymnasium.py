@@ -158,6 +158,19 @@ def test_a_hidden_map_prompt_gives_size_start_and_goal_and_changes_nothing_else(
         GymnasiumEnv(**knobs).reset(question=hidden[0]["question"])  # a served prompt: nothing to rebuild it from
 
 
+def test_train_rows_of_every_episode_are_drawn_as_the_held_out_rows_are():
+    """train_solved_only: false: the train split keeps the teacher's failed runs too (they end `#### fail`), so
+    its rows come from the held-out rows' distribution; the default keeps only the wins."""
+    every = make_rows(40, random.Random(9), "train", env_knobs=SLIPPERY, map_size=4, train_solved_only=False)
+    held_out = make_rows(40, random.Random(9), "test", env_knobs=SLIPPERY, map_size=4)
+    assert every == held_out
+    assert any(r["answer"].endswith("#### fail") for r in every)
+    wins = make_rows(40, random.Random(9), "train", env_knobs=SLIPPERY, map_size=4)
+    assert all(r["answer"].endswith("#### goal") for r in wins)
+    with pytest.raises(ValueError, match=r"environments\.gymnasium\.train_solved_only: expected true or false"):
+        make_rows(1, random.Random(0), "train", train_solved_only=1)
+
+
 def test_look_answers_the_cells_around_without_a_step():
     env = GymnasiumEnv(**DETERMINISTIC, look=True)
     env.reset(seed=0)

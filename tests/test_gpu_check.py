@@ -15,6 +15,7 @@ from conftest import ROOT, mini_params
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 ROWS_OK = [
+    "baseline: interpreter + libraries",
     "recipe: prepare (synthetic)",
     "recipe: stand-in model (random, local dir)",
     "recipe: base (local dir, fp32, sdpa)",
@@ -24,14 +25,13 @@ ROWS_OK = [
     "export: merge + verify",
     "int8: eval merged + int8",
     "tool loop: generate_with_tools vs generate",
-]
-ROWS_CUDA_ONLY = [
     "zero2: sft LoRA",
     "zero2: grpo LoRA",
     "zero3: sft LoRA",
     "zero3: grpo LoRA",
-    "vllm: grpo LoRA colocate",
 ]
+TRAINING_ROWS = [p for p in ROWS_OK if "sft LoRA" in p or "grpo LoRA" in p]
+ROWS_CUDA_ONLY = ["vllm: grpo LoRA colocate"]
 
 
 def test_local_dir_base_model_loads_offline_in_target_dtype(workdir, tiny_model_dir, monkeypatch):
@@ -102,11 +102,22 @@ def test_cpu_smoke_runs_every_row(tmp_path):
         assert rows[p]["status"] == "skipped" and "CUDA-only" in rows[p]["note"]
     for p in ("recipe: sft LoRA (single)", "recipe: grpo LoRA (single)", "tool loop: generate_with_tools vs generate"):
         assert rows[p]["tokens_per_s"] > 0, rows[p]
+    # every row ran in processes the kernel measured; the ZeRO rows ran 2 of them; each training row has its plan
+    baseline = rows["baseline: interpreter + libraries"]["peak_rss_bytes"]
+    assert all(rows[p]["peak_rss_bytes"] > 0 for p in ROWS_OK)
+    for p in TRAINING_ROWS:
+        assert rows[p]["peak_rss_bytes"] > baseline, rows[p]  # a model and a trainer on top of the libraries
+        measured = rows[p]["peak_rss_bytes"] - baseline
+        assert rows[p]["plan_error"] == pytest.approx((rows[p]["plan_bytes"] - measured) / measured)
+        assert "memory plan" in rows[p]["note"]
+    for p in TRAINING_ROWS[2:]:
+        assert "DEEPSPEED, 2 process(es)" in rows[p]["note"], rows[p]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table in r.stdout  # the same table on stdout
+    assert "Memory plan (make memory-plan, device cpu)" in table and "CPU: " in table
     lines = [ln for ln in table.splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| path | status | seconds | tokens/s | note |"
-    assert all(ln.count("|") == 6 for ln in lines), "a note broke the table"
+    assert lines[0] == "| path | status | seconds | tokens/s | peak RSS GiB | note |"
+    assert all(ln.count("|") == 7 for ln in lines), "a note broke the table"
     assert "| fail |" not in table
     assert (tmp_path / "logs.tar.gz").is_file()
     assert "tiny-random" not in (ROOT / "params.yaml").read_text()  # the scratch copy's params, never the repository's

@@ -20,12 +20,13 @@ from pathlib import Path
 
 from agentrl.experiments.scratch import copy_repo
 
-from .gpu_check_setup import ROOT, SIZES, check_params, helper_row
+from .gpu_check_setup import ROOT, SIZES, check_params, helper_row, size_of
 
 HELP = """GPU check: the recipe's code paths on one CUDA GPU, offline, in one go, as one table.
 
     python scripts/gpu_check.py [--out DIR] [--budget SECONDS]      # needs a CUDA GPU (exit 2 without one)
     python scripts/gpu_check.py --cpu-smoke [--out DIR]             # same sequence, tiny model, CPU only
+    python scripts/gpu_check.py --cpu-full-size [--out DIR]         # `make rehearse`: the 0.6B-sized model on CPU
 
 Everything runs in a scratch copy (src/, configs/, params.yaml): the repository's params.yaml and outputs are
 never touched, and nothing is fetched (HF_HUB_OFFLINE=1; no hub model, no hub data set). The params are
@@ -44,12 +45,19 @@ the real model's), `distributed.num_processes: 1`, a few optimizer steps. Rows:
   5. the tool loop's tokens/s (agent.generate_with_tools) against plain `generate` on the same prompts.
 
 Each row has its own timeout and all rows share a time budget (--budget); a failed row never stops the others
-(a row whose input a failed row should have made is 'skipped'). The table goes to stdout and to
-DIR/gpu_check.md + DIR/gpu_check.json, the logs to DIR/logs.tar.gz. Exit code 0 when no row failed, else 1.
---cpu-smoke runs the same sequence on the CPU with a tiny model and tiny step counts and skips the CUDA-only
-rows (DeepSpeed on CUDA, vLLM), so the script's own logic is tested without a GPU (tests/test_gpu_check.py).
+(a row whose input a failed row should have made is 'skipped'). Each row's peak RSS is its largest process's
+(the kernel's maximum resident set of the row's process tree, os.wait4); the training rows' notes compare it, less
+the RSS of an interpreter that imported the same libraries, with the memory plan (`make memory-plan`, device cpu).
+The table goes to stdout and to DIR/gpu_check.md + DIR/gpu_check.json, the logs to DIR/logs.tar.gz. Exit code 0
+when no row failed, else 1.
+
+--cpu-smoke runs the same sequence on the CPU with a tiny model and tiny step counts, so the script's own logic is
+tested without a GPU (tests/test_gpu_check.py); --cpu-full-size (`make rehearse`) runs it with the 0.6B-sized
+stand-in in fp32 (SFT truncates every example to 96 tokens, GRPO samples 32). On the CPU the ZeRO rows run 2
+processes over gloo, and vLLM is skipped (CUDA-only).
 """
 
+BASELINE = "baseline: interpreter + libraries"  # its peak RSS is what the training rows' plan comparison subtracts
 HELPER = ["-m", "agentrl.benchmarks.gpu_check"]  # the helper rows, run with the scratch copy's src/ on PYTHONPATH
 
 
@@ -63,17 +71,20 @@ class Check:
         Args:
             args: the parsed flags (cpu_smoke, out, budget, python).
         """
-        self.cpu = args.cpu_smoke
-        self.size = SIZES["cpu" if self.cpu else "gpu"]
+        self.size_key = size_of(args)
+        self.cpu = self.size_key != "gpu"
+        self.size = SIZES[self.size_key]
         self.out = Path(args.out).resolve()
         self.logs = self.out / "logs"
         self.deadline = time.time() + (args.budget or self.size["budget"])
         self.py = args.python
         self.rows: list[dict] = []
         self.status: dict[str, str] = {}
+        self.planned: dict[str, tuple[str, dict]] = {}  # training row -> (plan phase, its params overrides)
         self.work = Path(tempfile.mkdtemp(prefix="agentrl-gpu-check-"))
-        self.stand_in = str(self.work / "stand-in" / ("tiny-random" if self.cpu else "qwen3-0.6b-sized-random"))
-        self.params = check_params(self.cpu, self.stand_in)
+        tiny = self.size_key == "cpu"
+        self.stand_in = str(self.work / "stand-in" / ("tiny-random" if tiny else "qwen3-0.6b-sized-random"))
+        self.params = check_params(self.size_key, self.stand_in)
         # dvc.yaml: the training stages' resume fingerprint hashes the code deps it lists (stage.code_digest)
         copy_repo(ROOT, self.work, only=("src", "configs", "dvc.yaml"))
         self.env = {
@@ -125,7 +136,7 @@ class Check:
             return {}
         return read_metrics(f) if diagnostics_path(f).is_file() else json.loads(f.read_text())
 
-    def add(self, path, status, seconds=None, tps=None, note="") -> None:
+    def add(self, path, status, seconds=None, tps=None, note="", peak_rss=None) -> None:
         """Record one row of the table and print it.
 
         Args:
@@ -134,12 +145,15 @@ class Check:
             seconds: its wall time, or None.
             tps: its tokens/s, or None.
             note: what it measured or why it failed ("|" becomes "/": a table cell).
+            peak_rss: the peak RSS in bytes of its largest process, or None.
         """
         note = note.replace("|", "/")  # a table cell
-        self.rows.append({"path": path, "status": status, "seconds": seconds, "tokens_per_s": tps, "note": note})
+        row = {"path": path, "status": status, "seconds": seconds, "tokens_per_s": tps, "peak_rss_bytes": peak_rss}
+        self.rows.append({**row, "note": note})
         self.status[path] = status
         sec = "" if seconds is None else f"{seconds:.1f}s"
-        print(f"[gpu_check] {path}: {status} {sec} {note}", flush=True)
+        rss = "" if peak_rss is None else f"{peak_rss / 2**30:.2f} GiB"
+        print(f"[gpu_check] {path}: {status} {sec} {rss} {note}", flush=True)
 
     def run(self, path, cmd, timeout, needs=(), skip=None, overrides=None, clean=(), after=None) -> None:
         """Run one row: `cmd` in the scratch copy with its own timeout (and the shared budget); `after()` turns
@@ -175,25 +189,17 @@ class Check:
             proc = subprocess.Popen(
                 cmd, cwd=self.work, env=self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
             )
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # accelerate's and DeepSpeed's children too
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-                rc = None
+            rc, rss = wait_with_peak_rss(proc, timeout)
         secs = time.time() - t0
         if rc is None:
-            return self.add(path, "fail", secs, note=f"timeout after {timeout:.0f}s (log: {log.name})")
+            return self.add(path, "fail", secs, note=f"timeout after {timeout:.0f}s (log: {log.name})", peak_rss=rss)
         if rc:
-            return self.add(path, "fail", secs, note=f"exit {rc}: {last_error(log)} (log: {log.name})")
+            return self.add(path, "fail", secs, note=f"exit {rc}: {last_error(log)} (log: {log.name})", peak_rss=rss)
         try:
             tps, note = after() if after else (None, "")
         except Exception as e:  # a metrics file missing or malformed: the row ran but did not report
-            return self.add(path, "fail", secs, note=f"ran, but its metrics are unreadable: {e!r}")
-        self.add(path, "ok", secs, tps, note)
+            return self.add(path, "fail", secs, note=f"ran, but its metrics are unreadable: {e!r}", peak_rss=rss)
+        self.add(path, "ok", secs, tps, note, peak_rss=rss)
 
     # ---------------------------------------------------------------------------- rows' metrics
     def mfu_note(self, tokens_per_second, mode: str, context: float) -> str:
@@ -303,17 +309,20 @@ class Check:
         """Every row in order: the recipe single-process, export and int8, the tool loop, ZeRO-2/3, vLLM."""
         py = self.py
 
-        def launch(cfg, stage):
+        def launch(cfg, stage, processes=1):
             return [py, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{cfg}.yaml",
-                    "--num_processes", "1", "-m", f"agentrl.stages.{stage}"]  # fmt: skip
+                    "--num_processes", str(processes), "-m", f"agentrl.stages.{stage}"]  # fmt: skip
 
-        smoke = ["--cpu-smoke"] if self.cpu else []
-        cuda_only = "CUDA-only (--cpu-smoke)" if self.cpu else None
+        smoke = {"cpu": ["--cpu-smoke"], "rehearse": ["--cpu-full-size"], "gpu": []}[self.size_key]
+        cuda_only = "CUDA-only (CPU run)" if self.cpu else None
         prepare, stand_in = "recipe: prepare (synthetic)", "recipe: stand-in model (random, local dir)"
         base = f"recipe: base (local dir, {'fp32' if self.cpu else 'bf16'}, sdpa)"
         sft, grpo = "recipe: sft LoRA (single)", "recipe: grpo LoRA (single)"
         export = "export: merge + verify"
 
+        # 0. what an interpreter with the stages' libraries takes before any model: the plan's baseline
+        libraries = "import deepspeed, peft, trl, agentrl.stages.sft, agentrl.stages.grpo"
+        self.run(BASELINE, [py, "-c", libraries], 180)
         # 1. the recipe's code paths, single process
         self.run(prepare, [py, "-m", "agentrl.stages.prepare"], 180)
         self.run(
@@ -324,26 +333,33 @@ class Check:
             after=self.stand_in_after,
         )
         self.run(base, [py, "-m", "agentrl.stages.base"], 180, needs=[stand_in], after=self.base_after)
-        self.run(sft, launch("single", "sft"), 240, needs=[base], clean=["checkpoints"], after=self.sft_after)
-        self.run(grpo, launch("single", "grpo"), 300, needs=[sft], after=self.grpo_after)
+        long = 6 if self.size_key == "rehearse" else 1  # the full-size model on the CPU: minutes per row
+        self.planned.update({sft: ("sft", {}), grpo: ("grpo", {})})
+        self.run(sft, launch("single", "sft"), 240 * long, needs=[base], clean=["checkpoints"], after=self.sft_after)
+        self.run(grpo, launch("single", "grpo"), 300 * long, needs=[sft], after=self.grpo_after)
         evaluate = [py, "-m", "agentrl.stages.evaluate", "--stage", "grpo"]
-        self.run("recipe: eval grpo (tool loop)", evaluate, 180, needs=[grpo], after=self.eval_after("grpo"))
+        self.run("recipe: eval grpo (tool loop)", evaluate, 180 * long, needs=[grpo], after=self.eval_after("grpo"))
         # 4. export, then the int8 evaluation (bitsandbytes on CUDA, torch dynamic int8 on CPU)
-        self.run(export, [py, "-m", "agentrl.stages.export"], 240, needs=[grpo], after=self.export_after)
+        self.run(export, [py, "-m", "agentrl.stages.export"], 240 * long, needs=[grpo], after=self.export_after)
         bnb = None if self.cpu or importable(py, "bitsandbytes", self.env) else "bitsandbytes not installed"
         quantized = [py, "-m", "agentrl.stages.export", "--quantized-eval"]
-        self.run("int8: eval merged + int8", quantized, 240, needs=[export], skip=bnb, after=self.quant_after)
+        self.run("int8: eval merged + int8", quantized, 240 * long, needs=[export], skip=bnb, after=self.quant_after)
         # 5. the tool loop against plain generate
         speed = [py, *HELPER, "--_tool-speed", *smoke]
-        self.run("tool loop: generate_with_tools vs generate", speed, 180, needs=[grpo], after=self.tool_after)
-        # 2. DeepSpeed ZeRO-2 / ZeRO-3 on CUDA, one process
+        self.run("tool loop: generate_with_tools vs generate", speed, 180 * long, needs=[grpo], after=self.tool_after)
+        # 2. DeepSpeed ZeRO-2 / ZeRO-3: one process on the one GPU; two over gloo on the CPU
+        processes = 2 if self.cpu else 1
         for z in ("zero2", "zero3"):
             over = {"distributed.accelerate_config": f"configs/accelerate/{z}.yaml"}
-            kw = {"skip": cuda_only, "overrides": over}
+            over["distributed.num_processes"] = processes
+            zsft, zgrpo = f"{z}: sft LoRA", f"{z}: grpo LoRA"
+            self.planned.update({zsft: ("sft", over), zgrpo: ("grpo", over)})
+            kw = {"overrides": over}
             self.run(
-                f"{z}: sft LoRA", launch(z, "sft"), 240, needs=[base], clean=["checkpoints"], after=self.sft_after, **kw
-            )
-            self.run(f"{z}: grpo LoRA", launch(z, "grpo"), 300, needs=[f"{z}: sft LoRA"], after=self.grpo_after, **kw)
+                zsft, launch(z, "sft", processes), 240 * long, needs=[base], clean=["checkpoints"],
+                after=self.sft_after, **kw
+            )  # fmt: skip
+            self.run(zgrpo, launch(z, "grpo", processes), 300 * long, needs=[zsft], after=self.grpo_after, **kw)
         # 3. vLLM colocate rollouts (TRL's generation; the recipe's agent.format chat keeps the calculator), on the
         # last SFT result that was saved
         vllm = cuda_only or (None if importable(py, "vllm", self.env) else "vllm not installed")
@@ -365,6 +381,47 @@ class Check:
             after=self.grpo_after,
         )
 
+    def compare_with_plan(self) -> list[str]:
+        """The memory plan (memory_plan.plan, device cpu, or gpu for a CUDA run's host RSS: not comparable, so
+        only on the CPU) of each training row that ran, against its peak RSS less the baseline row's; the error
+        goes into the row (plan_bytes, plan_error) and its note.
+
+        Returns:
+            A line for the header (the largest error), or [] when nothing was compared.
+        """
+        from agentrl.experiments.overrides import set_value
+
+        from .memory_plan import plan, recipe_from_params, relative_error
+
+        base = next((r["peak_rss_bytes"] for r in self.rows if r["path"] == BASELINE and r["status"] == "ok"), None)
+        info = self.metric("gpu_check_stand_in")
+        if not self.cpu or not base or "longest_prompt_tokens" not in info:
+            return []
+        errors = []
+        for row in self.rows:
+            if row["path"] not in self.planned or row["status"] != "ok" or not row["peak_rss_bytes"]:
+                continue
+            phase, over = self.planned[row["path"]]
+            tree = json.loads(json.dumps(self.params))
+            for key, value in over.items():
+                set_value(tree, key, value)
+            predicted = plan(recipe_from_params(tree, row["path"], "cpu", info["longest_prompt_tokens"]))
+            measured = row["peak_rss_bytes"] - base
+            error = relative_error(predicted, {phase: measured})[phase]
+            row.update(plan_bytes=predicted[phase]["total"], plan_error=error)
+            row["note"] += (
+                f"; memory plan {predicted[phase]['total'] / 2**30:.2f} GiB vs measured {measured / 2**30:.2f} GiB "
+                f"(peak RSS - baseline): {error:+.0%}"
+            )
+            errors.append(error)
+        if not errors:
+            return []
+        worst = max(errors, key=abs)
+        return [
+            f"Memory plan (make memory-plan, device cpu) against each training row's peak RSS less the baseline "
+            f"row's ({base / 2**30:.2f} GiB): errors {min(errors):+.0%} .. {max(errors):+.0%}, largest {worst:+.0%}."
+        ]
+
     def finish(self, header: list[str]) -> int:
         """Write the table (gpu_check.md, gpu_check.json, printed), the failed rows' log tails to stderr and the
         logs to logs.tar.gz; remove the scratch copy.
@@ -375,11 +432,12 @@ class Check:
         Returns:
             The exit code: 1 when a row failed, else 0.
         """
-        lines = ["| path | status | seconds | tokens/s | note |", "|---|---|---:|---:|---|"]
+        lines = ["| path | status | seconds | tokens/s | peak RSS GiB | note |", "|---|---|---:|---:|---:|---|"]
         for r in self.rows:
             sec = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
             tps = "" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
-            lines.append(f"| {r['path']} | {r['status']} | {sec} | {tps} | {r['note']} |")
+            rss = "" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**30:.2f}"
+            lines.append(f"| {r['path']} | {r['status']} | {sec} | {tps} | {rss} | {r['note']} |")
         text = "\n".join(header + [""] + lines) + "\n"
         (self.out / "gpu_check.md").write_text(text)
         (self.out / "gpu_check.json").write_text(json.dumps({"header": header, "rows": self.rows}, indent=2) + "\n")
@@ -394,6 +452,35 @@ class Check:
         shutil.rmtree(self.logs, ignore_errors=True)
         shutil.rmtree(self.work, ignore_errors=True)
         return 1 if any(r["status"] == "fail" for r in self.rows) else 0
+
+
+def wait_with_peak_rss(proc: subprocess.Popen, timeout: float) -> tuple[int | None, int | None]:
+    """Wait for a row's process (killing its process group past `timeout`) and read the peak RSS of the largest
+    process in its tree: os.wait4's ru_maxrss is the maximum over the process and every descendant it waited for
+    (accelerate's launcher waits for its workers), as the kernel tracked it, not sampled.
+
+    Args:
+        proc: the row's process, started with start_new_session (its own process group).
+        timeout: seconds.
+
+    Returns:
+        (exit code, or None after a timeout; peak RSS in bytes, or None where wait4 gave none).
+    """
+    deadline, timed_out = time.time() + timeout, False
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.time() > deadline and not timed_out:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # accelerate's and DeepSpeed's children too
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    peak = usage.ru_maxrss * 1024 if usage.ru_maxrss else None  # Linux reports KiB
+    return (None if timed_out else proc.returncode), peak
 
 
 def launch_kind(m: dict) -> str:
@@ -475,6 +562,18 @@ def environment(py: str, env: dict) -> list[str]:
     return [r.stdout.strip() or f"(versions unavailable: {r.stderr.strip()[-200:]})"]
 
 
+def cpu_name() -> str:
+    """The CPU's model name and core count (lscpu's "Model name"; /proc/cpuinfo's family and model beside it).
+
+    Returns:
+        e.g. "AMD EPYC (family 26, model 2), 2 cores".
+    """
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(re.findall(r"^(model name|cpu family|model)\s*:\s*(.+)$", info, re.M))
+    where = f" (family {fields['cpu family']}, model {fields['model']})" if "cpu family" in fields else ""
+    return f"{fields.get('model name', 'unknown')}{where}, {os.cpu_count()} cores"
+
+
 def parser() -> argparse.ArgumentParser:
     """scripts/gpu_check.py's flags (and the helper rows' hidden ones).
 
@@ -482,11 +581,15 @@ def parser() -> argparse.ArgumentParser:
         The parser (its help is HELP).
     """
     ap = argparse.ArgumentParser(description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--cpu-smoke", action="store_true", help="tiny model, tiny step counts, CPU; CUDA-only rows skipped"
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--cpu-smoke", action="store_true", help="tiny model, tiny step counts, CPU; vLLM skipped")
+    size.add_argument(
+        "--cpu-full-size", action="store_true", help="`make rehearse`: the 0.6B-sized model in fp32 on the CPU"
     )
     ap.add_argument("--out", default=str(ROOT / "gpu_check"), help="gpu_check.md, gpu_check.json, logs.tar.gz")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for all rows (GPU 570, CPU smoke 900)")
+    ap.add_argument(
+        "--budget", type=float, default=None, help="seconds for all rows (GPU 570, CPU smoke 900, full size 5400)"
+    )
     ap.add_argument("--python", default=sys.executable, help="the interpreter the stages run with")
     ap.add_argument("--_stand-in", dest="stand_in", help=argparse.SUPPRESS)
     ap.add_argument("--_tool-speed", dest="tool_speed", action="store_true", help=argparse.SUPPRESS)
@@ -520,18 +623,20 @@ def main(argv: list[str] | None = None) -> None:
     args.python = shutil.which(args.python) or args.python
     if args.stand_in or args.tool_speed:
         return helper_row(args)
-    if not args.cpu_smoke:
+    if not (args.cpu_smoke or args.cpu_full_size):
         require_cuda(args.python)
     check = Check(args)
     t0 = time.time()
-    header = [
-        "# GPU check" + (" (--cpu-smoke: tiny model on the CPU)" if check.cpu else ""),
-        "",
-        f"{environment(args.python, check.env)[0]}",
-    ]
+    title = {
+        "gpu": "# GPU check",
+        "cpu": "# GPU check (--cpu-smoke: tiny model on the CPU)",
+        "rehearse": "# Rehearsal at full size (--cpu-full-size: the Qwen3-0.6B-sized stand-in, fp32, on the CPU)",
+    }[check.size_key]
+    header = [title, "", f"{environment(args.python, check.env)[0]}", f"CPU: {cpu_name()}"]
     try:
         check.sequence()
     finally:
+        header += check.compare_with_plan()
         header.append(f"Total {time.time() - t0:.0f} s (budget {args.budget or check.size['budget']:.0f} s).")
         peak = check.metric("gpu_check_stand_in").get("matmul_peak")
         if peak:

@@ -1,7 +1,10 @@
 """What `make gpu-check` sets up and its helper rows (gpu_check.py runs them in its scratch copy as
 `python -m agentrl.benchmarks.gpu_check --_stand-in DIR` and `--_tool-speed`): the check's params (the recipe on a
 short local run), a randomly initialised Qwen3 of Qwen3-0.6B's dimensions (or a tiny one for --cpu-smoke) with the
-project's tokenizer padded to its vocabulary, and the tool loop's tokens/s on the device."""
+project's tokenizer padded to its vocabulary, and the tool loop's tokens/s on the device. The sizes: "gpu" (`make
+gpu-check`), "cpu" (--cpu-smoke: tiny model, the script's logic) and "rehearse" (--cpu-full-size, `make rehearse`:
+the 0.6B-sized model in fp32 on the CPU, a few steps, every sequence at its maximum length so the memory plan's
+assumption holds)."""
 
 from __future__ import annotations
 
@@ -36,7 +39,9 @@ SMOKE_MODEL = dict(
 )
 
 
-# step counts and sizes: GPU (about 6-8 minutes on one H200 in all) and the CPU smoke run
+# step counts and sizes: GPU (about 6-8 minutes on one H200 in all), the CPU smoke run and the CPU rehearsal at full
+# size (sft_length: SFT's max_length, below every example's length so each is truncated to exactly it; None: the
+# recipe's)
 SIZES = {
     "gpu": dict(
         num_train=2000,
@@ -49,6 +54,8 @@ SIZES = {
         grpo_batch=16,
         completion=128,
         verify=4,
+        sft_batch=None,
+        sft_length=None,
         budget=570,
     ),
     "cpu": dict(
@@ -62,18 +69,35 @@ SIZES = {
         grpo_batch=2,
         completion=8,
         verify=2,
+        sft_batch=4,
+        sft_length=None,
         budget=900,
+    ),
+    "rehearse": dict(
+        num_train=200,
+        num_test=8,
+        eval_n=4,
+        eval_new=32,
+        sft_steps=2,
+        grpo_steps=1,
+        gens=2,
+        grpo_batch=2,
+        completion=32,
+        verify=2,
+        sft_batch=2,
+        sft_length=96,
+        budget=5400,
     ),
 }
 
 
 # ------------------------------------------------------------------------------------------ params
-def check_params(cpu: bool, stand_in: str) -> dict:
+def check_params(size: str, stand_in: str) -> dict:
     """params.yaml + the recipe (applied as `scripts/recipe.py` applies it: DVC's `-S` code) + the local, short-run
     overrides of the check.
 
     Args:
-        cpu: the --cpu-smoke sizes and fp32, without activation checkpointing.
+        size: a SIZES key; "cpu" and "rehearse" run in fp32, "cpu" without activation checkpointing.
         stand_in: the stand-in model's directory (model.base_model).
 
     Returns:
@@ -82,7 +106,7 @@ def check_params(cpu: bool, stand_in: str) -> dict:
     from agentrl.experiments import overrides
     from agentrl.experiments.recipe import overrides as recipe_args
 
-    s = SIZES["cpu" if cpu else "gpu"]
+    s, cpu = SIZES[size], size != "gpu"
     p = overrides.load(overrides.apply((ROOT / "params.yaml").read_text(), recipe_args(RECIPE)))
     over = {
         "data.source": "synthetic",
@@ -115,11 +139,14 @@ def check_params(cpu: bool, stand_in: str) -> dict:
         "export.quantize": "int8",
         "export.num_verify_prompts": s["verify"],
     }
-    if cpu:  # activation checkpointing only costs time on the tiny model; a smaller SFT batch
+    if size == "cpu":  # activation checkpointing only costs time on the tiny model
         over["sft.trainer.activation_checkpointing"] = False
         over["grpo.trainer.activation_checkpointing"] = False
-        over["sft.trainer.per_device_train_batch_size"] = 4
+    if s["sft_batch"]:  # a smaller SFT batch on the CPU
+        over["sft.trainer.per_device_train_batch_size"] = s["sft_batch"]
         over["sft.trainer.gradient_accumulation_steps"] = 1
+    if s["sft_length"]:
+        over["sft.trainer.max_length"] = s["sft_length"]
     for k, v in over.items():
         overrides.set_value(p, k, v)
     return p
@@ -182,18 +209,20 @@ def _stand_in_tokenizer(params, rows: list[dict], vocab_size: int):
     return tok
 
 
-def build_stand_in(out: str, cpu: bool) -> dict:
+def build_stand_in(out: str, size: str) -> dict:
     """A randomly initialised Qwen3 (QWEN3_0_6B dimensions, or SMOKE_MODEL) + the project's tokenizer trained on
     the prepared data, saved like a hub snapshot. Run from the scratch copy after `prepare`.
 
     Args:
         out: the directory to save to.
-        cpu: the tiny SMOKE_MODEL in fp32 instead of the 0.6B-sized one in bf16.
+        size: a SIZES key: "gpu" the 0.6B-sized model in bf16, "rehearse" in fp32, "cpu" the tiny SMOKE_MODEL
+            in fp32.
 
     Returns:
         {"parameters", "vocab_size", "mean_sft_tokens"} (mean tokens of 200 SFT examples, capped at max_length),
-        "model_dims" (measure.model_dims) and "matmul_peak" (measure.matmul_peak: a bf16 8192x8192 GEMM on the
-        GPU, an fp32 512x512 one on the CPU), for the rows' MFU.
+        "shortest_sft_tokens" (uncapped), "longest_prompt_tokens" (GRPO's prompts as its chat template renders
+        them), "model_dims" (measure.model_dims) and "matmul_peak" (measure.matmul_peak: a bf16 8192x8192 GEMM on
+        the GPU, an fp32 one of 512 or, at full size, 2048 on the CPU), for the rows' MFU and the memory plan.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -204,7 +233,8 @@ def build_stand_in(out: str, cpu: bool) -> dict:
     from .measure import matmul_peak, model_dims
 
     params = load_params()
-    dims = dict(SMOKE_MODEL if cpu else QWEN3_0_6B)
+    cpu = size != "gpu"
+    dims = dict(SMOKE_MODEL if size == "cpu" else QWEN3_0_6B)
     rows = load_jsonl("data/prepared/sft_train.jsonl")
     tok = _stand_in_tokenizer(params, rows, dims.pop("vocab_size"))
     dtype = torch.float32 if cpu else torch.bfloat16
@@ -227,11 +257,15 @@ def build_stand_in(out: str, cpu: bool) -> dict:
     texts = [tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=False) for r in rows[:200]]
     lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
     max_len = params.sft.trainer.get("max_length", 1024) or 1024
-    peak = matmul_peak(dtype, size=512, device="cpu") if cpu else matmul_peak(dtype, size=8192, device="cuda")
+    prompts = [tok.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True) for r in rows[:200]]
+    gemm = {"gpu": 8192, "rehearse": 2048, "cpu": 512}[size]
+    peak = matmul_peak(dtype, size=gemm, device="cpu" if cpu else "cuda")
     return {
         "parameters": n_params,
         "vocab_size": len(tok),
         "mean_sft_tokens": sum(min(n, max_len) for n in lengths) / len(lengths),
+        "shortest_sft_tokens": min(lengths),
+        "longest_prompt_tokens": max(len(ids if isinstance(ids, list) else ids["input_ids"]) for ids in prompts),
         "model_dims": model_dims(cfg, "the stand-in's Qwen3Config"),
         "matmul_peak": peak,
     }
@@ -269,6 +303,18 @@ def tool_speed(n: int) -> dict:
     return tool_loop_vs_plain(model, tok, prompts, toolset, params.eval.max_new_tokens, params.eval.batch_size, kw)
 
 
+def size_of(args) -> str:
+    """The SIZES key the flags ask for.
+
+    Args:
+        args: the parsed flags (cpu_smoke, cpu_full_size).
+
+    Returns:
+        "cpu", "rehearse" or "gpu".
+    """
+    return "cpu" if args.cpu_smoke else "rehearse" if args.cpu_full_size else "gpu"
+
+
 def helper_row(args) -> None:
     """Run a helper row in the scratch copy (the working directory): the stand-in model or the tool loop's speed,
     its figures written to metrics/gpu_check_stand_in.json or metrics/gpu_check_tool_speed.json.
@@ -278,8 +324,9 @@ def helper_row(args) -> None:
     """
     from agentrl.common import write_json
 
+    size = size_of(args)
     if args.stand_in:
-        write_json("metrics/gpu_check_stand_in.json", build_stand_in(args.stand_in, args.cpu_smoke))
+        write_json("metrics/gpu_check_stand_in.json", build_stand_in(args.stand_in, size))
     else:
-        n = SIZES["cpu" if args.cpu_smoke else "gpu"]["eval_n"]
+        n = SIZES[size]["eval_n"]
         write_json("metrics/gpu_check_tool_speed.json", tool_speed(n))

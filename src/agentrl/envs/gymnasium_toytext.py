@@ -51,6 +51,7 @@ GEN_DEFAULTS: dict = {
     "demo_explore": 0.0,  # share of the teacher's actions drawn at random among all actions (0-0.9)
     "demo_look": 0.0,  # share of the demonstrations that look before every action (0-1; needs look)
     "show_map": True,  # FrozenLake: the prompt shows the map; false: only its size, S and G (holes seen by looking)
+    "train_solved_only": True,  # train rows only where the teacher's run reached the goal; false: every episode
 }
 ENV_DEFAULTS: dict = {
     "env_id": "FrozenLake-v1",  # any registered Gymnasium env with Discrete spaces and a transition table P
@@ -538,8 +539,9 @@ def _gen_knobs(knobs: dict) -> dict:
     size = k["map_size"]
     if not isinstance(size, int) or isinstance(size, bool) or not (size == 0 or 2 <= size <= 8):
         raise ValueError(f"{KNOBS}.map_size: expected 0 (the env's own map) or an integer in 2..8, got {size!r}")
-    if not isinstance(k["show_map"], bool):
-        raise ValueError(f"{KNOBS}.show_map: expected true or false, got {k['show_map']!r}")
+    for name in ("show_map", "train_solved_only"):
+        if not isinstance(k[name], bool):
+            raise ValueError(f"{KNOBS}.{name}: expected true or false, got {k[name]!r}")
     for name, low, high in (("map_frozen", 0.1, 1.0), ("demo_explore", 0.0, 0.9), ("demo_look", 0.0, 1.0)):
         v = k[name]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
@@ -560,8 +562,10 @@ def make_rows(
     Args:
         n: how many rows.
         rng: the only source drawn from (seeds, through them the maps): same state, same rows.
-        split: "train" (only seeds whose demonstration reached the goal) or "test" (any seed; the demonstration is
-            the teacher's run, which may end "#### fail").
+        split: "train" (with train_solved_only, the default: only seeds whose demonstration reached the goal) or
+            "test" (any seed; the demonstration is the teacher's run, which may end "#### fail"). Without
+            train_solved_only the train rows are drawn as the test rows are: the teacher's moves are the best
+            policy's whatever the slips, and its failed runs show what a hole looks like.
         env_knobs: the GymnasiumEnv knobs (default ENV_DEFAULTS).
         exclude: instance_key()s not to generate.
         **gen_knobs: GEN_DEFAULTS' knobs.
@@ -600,8 +604,8 @@ def make_rows(
         answer = demonstrate(row, env, k["demo_explore"], k["demo_look"])
         row["start"] = env.start
         key = instance_key(row)
-        if key in seen or (split == "train" and not env.solved):
-            continue  # a held-out episode, or a teacher that fell or ran out of steps: no demo to learn from
+        if key in seen or (split == "train" and k["train_solved_only"] and not env.solved):
+            continue  # a held-out episode, or a teacher that fell or ran out of steps (when only wins are kept)
         seen.add(key)
         rows.append(
             {
