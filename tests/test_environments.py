@@ -5,8 +5,10 @@ test_env_parity.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -342,6 +344,43 @@ def test_tool_rollout_renders_the_chat_prompt_with_its_tools(tiny):
         assert "check" in want and out["prompt_ids"][0] == tok(want, add_special_tokens=False)["input_ids"]
     finally:
         tok.chat_template = saved
+
+
+def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_an_ambiguous_lookup(monkeypatch):
+    """Rows that share a prompt (FrozenLake with a hidden map: every prompt is the same) are told apart only by the
+    batch the trainer hands over (ToolRollout.batch_rows): each episode gets its own row, in order. Without the
+    batch, the lookup by prompt text would reset every such episode with one row: refused, naming why."""
+    import random
+
+    from agentrl.agent import loop
+    from agentrl.envs import gymnasium_toytext as gt
+    from agentrl.stages.grpo import ToolRollout
+
+    rows = gt.make_rows(3, random.Random(0), "train", {"look": True}, map_size=4, show_map=False)
+    rows = [{**r, "prompt": prompt_of(r["question"])} for r in rows]
+    assert len({json.dumps(r["prompt"]) for r in rows}) == 1 and len({r["seed"] for r in rows}) == 3
+    seen = []
+
+    def fake_generate(model, tok, prompts, toolset, *args, rows=None, **kwargs):
+        seen.append(rows)
+        return []
+
+    monkeypatch.setattr(loop, "generate_with_tools", fake_generate)
+    rollout = ToolRollout(None, rows)
+    trainer = SimpleNamespace(
+        model_wrapped=None, accelerator=None, processing_class=None, max_completion_length=4, temperature=1.0,
+        top_p=1.0, top_k=0, min_p=None, repetition_penalty=None,
+        args=SimpleNamespace(ds3_gather_for_generation=True, gradient_checkpointing_kwargs=None),
+    )  # fmt: skip
+    monkeypatch.setattr("trl.models.unwrap_model_for_generation", lambda model, *a, **k: contextlib.nullcontext())
+    rollout.batch_rows = rows[::-1]
+    rollout([r["prompt"] for r in rows[::-1]], trainer)
+    assert [r["seed"] for r in seen[-1]] == [r["seed"] for r in rows[::-1]] and rollout.batch_rows is None
+    with pytest.raises(ValueError, match="shared by different rows"):
+        rollout([rows[0]["prompt"]], trainer)
+    rollout.batch_rows = rows[:1]
+    with pytest.raises(RuntimeError, match="not the prompts"):
+        rollout([{"role": "user", "content": "another"}], trainer)
 
 
 def test_merged_policy_is_the_adapter_merged_and_follows_its_training(tiny):

@@ -271,7 +271,8 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
     """GRPO through the tool loop: rollouts that call the calculator (forced here: a 6-step SFT model does
     not call yet) reach the trainer with env_mask 0 on the tool's tokens, the reward functions receive the
     tool counts, tool use is logged, and the adapter changes. grpo.merged_rollouts: the loop samples from a plain
-    (non-PEFT) model, the adapter's PEFT model otherwise."""
+    (non-PEFT) model, the adapter's PEFT model otherwise. Each episode is reset with its batch's own row, which the
+    trainer hands the rollout (not a lookup by prompt text)."""
     from transformers import LogitsProcessorList
 
     from agentrl.agent import loop as agent
@@ -293,12 +294,21 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
     def forced(model, tokenizer, prompts, toolset, *a, **kw):
         # the merged copy computes with its class forward, not a patched one (TRL fused LM head: the PEFT model)
         sampled_from_peft.append(hasattr(model, "peft_config") or "forward" in model.__dict__)
+        rows_seen.append((prompts, kw["rows"], rows_from_batch[-1]))
         out = real(
             model, tokenizer, prompts, toolset, *a, logits_processor=LogitsProcessorList([ForceCalls(tok)]), **kw
         )
         seen_masks.extend((r[0].completion_ids, r[0].env_mask, r[0].calls) for r in out)
         return out
 
+    rows_seen, rows_from_batch = [], []
+    real_rows_of = grpo.ToolRollout.rows_of
+
+    def rows_of(self, prompts):
+        rows_from_batch.append(self.batch_rows is not None)
+        return real_rows_of(self, prompts)
+
+    monkeypatch.setattr(grpo.ToolRollout, "rows_of", rows_of)
     monkeypatch.setattr(agent, "generate_with_tools", forced)
     SEEN_TOOL_KWARGS.clear()
     before = {k: v.clone() for k, v in grpo.starting_model().state_dict().items()}
@@ -307,6 +317,8 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
     assert m["generation_seconds"] > 0 and m["rollout_tokens_per_second"] > 0
     assert seen_masks and all(calls for _, _, calls in seen_masks)
     assert sampled_from_peft == [not merged_rollouts] * 2  # one rollout batch per step
+    assert [from_batch for _, _, from_batch in rows_seen] == [True, True]
+    assert all(row["prompt"] == prompt for prompts, rows, _ in rows_seen for prompt, row in zip(prompts, rows))
     for ids, mask, calls in seen_masks:
         inserted = [t for t, k in zip(ids, mask) if k == 0]
         want = sum((tok(f"{c['result']}>>", add_special_tokens=False)["input_ids"] for c in calls), [])

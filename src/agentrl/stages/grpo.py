@@ -136,19 +136,58 @@ class ToolRollout:
     `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py) and
     the tool-use curves (agent.tool_stats per batch of rollouts) until the trainer logs them (pop_curves).
     `merged` (grpo.merged_rollouts): generation runs on a plain copy of the policy whose weights are the LoRA's
-    merged in (merged_policy), not on the PEFT model."""
+    merged in (merged_policy), not on the PEFT model.
+
+    Each completion's episode is reset with its own dataset row. TRL hands a rollout_func the prompts only, so the
+    trainer (GRPOTrainer subclass in `train`) sets `batch_rows` to the batch's rows before each generation; called
+    without them (tests, a plain GRPOTrainer), rows are looked up by the prompt, which refuses a prompt that several
+    different rows share (FrozenLake with a hidden map, gridworld maps that recur with other seeds): it would reset
+    every such episode with one row."""
 
     def __init__(self, toolset, rows: Optional[list[dict]] = None, merged: bool = False):
         self.toolset = toolset
         self.merged = merged
         self.plain = None  # the merged copy, made on the first rollout and refreshed on every one
-        # TRL hands a rollout_func the prompts only: each prompt's dataset row (what its environment episode is
-        # reset with) is looked up by the prompt itself
-        self.rows = {prompt_key(r["prompt"]): r for r in rows or []}
+        self.rows: dict[str, dict] = {}
+        self.shared: set[str] = set()  # prompts of more than one distinct row: no lookup by prompt for them
+        for r in rows or []:
+            key = prompt_key(r["prompt"])
+            if key in self.rows and self.rows[key] != r:
+                self.shared.add(key)
+            self.rows[key] = r
+        self.batch_rows: Optional[list[dict]] = None
         self.seconds = 0.0
         self.completions = 0
         self.tokens = 0
         self.curves: dict[str, list[float]] = defaultdict(list)
+
+    def rows_of(self, prompts: list) -> Optional[list[dict]]:
+        """Each prompt's dataset row: the batch's own rows when the trainer handed them (and they are these
+        prompts'), else the lookup by prompt.
+
+        Args:
+            prompts: the prompts TRL asks completions for, in its order.
+
+        Returns:
+            The rows, or None when the dataset had none.
+        """
+        batch, self.batch_rows = self.batch_rows, None
+        if batch is not None:
+            if len(batch) != len(prompts) or any(
+                prompt_key(r.get("prompt")) != prompt_key(p) for r, p in zip(batch, prompts)
+            ):
+                raise RuntimeError("grpo: the batch's rows are not the prompts' TRL asked completions for")
+            return [dict(r) for r in batch]
+        if not self.rows:
+            return None
+        shared = [p for p in prompts if prompt_key(p) in self.shared]
+        if shared:
+            raise ValueError(
+                f"grpo: {len(self.shared)} prompt(s) of the RL data are shared by different rows (e.g. "
+                f"{prompt_key(shared[0])[:120]}): their episodes need each row's own fields, which only the trainer's "
+                "batch gives (ToolRollout.batch_rows, set by agentrl.stages.grpo's trainer)"
+            )
+        return [self.rows.get(prompt_key(p), {}) for p in prompts]
 
     def pop_curves(self) -> dict[str, float]:
         """tools/<stat> averaged over the batches since the last call, as TRL averages its own metrics."""
@@ -162,6 +201,7 @@ class ToolRollout:
 
         from ..agent.loop import generate_with_tools, tool_stats
 
+        rows = self.rows_of(prompts)
         started = time.perf_counter()
         extra = {
             k: v
@@ -196,7 +236,7 @@ class ToolRollout:
                     temperature=trainer.temperature,
                     top_p=trainer.top_p,
                     top_k=trainer.top_k or 0,
-                    rows=[self.rows.get(prompt_key(p), {}) for p in prompts] if self.rows else None,
+                    rows=rows,
                     chat_template_kwargs=self.toolset.chat_template_kwargs() if self.toolset is not None else None,
                     **extra,
                 )
@@ -208,8 +248,7 @@ class ToolRollout:
             for stat, value in tool_stats(rolls).items():
                 self.curves[f"tools/{stat}"].append(value)
         out = {}
-        if self.rows and self.toolset is not None:  # an environment with its own success rule decides `accuracy`
-            rows = [self.rows.get(prompt_key(p), {}) for p in prompts]
+        if rows and self.toolset is not None:  # an environment with its own success rule decides `accuracy`
             solved = [episode_solved(row, r.text, r.episode.env if r.episode else None) for row, r in zip(rows, rolls)]
             if any(s is not None for s in solved):
                 out["solved"] = solved
@@ -508,6 +547,13 @@ def train(params: Params) -> dict:
         def log(self, logs, start_time=None):  # the tool loop's curves (tools/*) join TRL's metrics in each log
             logs.update(rollout.pop_curves() if rollout else {})
             super().log(logs, start_time)
+
+        def _generate_and_score_completions(self, inputs):
+            # TRL hands rollout_func the prompts only; its episodes need their rows (seed, map), which are these
+            # inputs, in the prompts' order (TRL 1.16 builds the prompts from them)
+            if rollout is not None:
+                rollout.batch_rows = inputs
+            return super()._generate_and_score_completions(inputs)
 
     trainer = GRPOWithToolCurves(
         model=model,
