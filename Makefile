@@ -242,6 +242,14 @@ repro-check: setup ## same bytes as PORTABLE_LOCK? (the default, mode portable)
 seeds: setup ## the pipeline over N seeds (default 3) and their spread (docs/seeds.md)
 	python scripts/seeds.py -n $(if $(filter command line environment,$(origin N)),$(N),3) --jobs $(JOBS)
 
+# The rehearsal (docs/scaling.md#rehearsal-at-full-size-on-the-cpu): the GPU check's sequence on the CPU with the
+# Qwen3-0.6B-sized stand-in in fp32, a few steps per stage, ZeRO-2/3 with 2 processes over gloo; every row's peak RSS
+# against the memory plan. About 40 minutes on 2 cores and ~12 GB of memory; not in CI (its logic runs at tiny size
+# in tests/test_gpu_check.py). The table goes to rehearsal/gpu_check.md.
+.PHONY: rehearse
+rehearse: setup ## the recipe at Qwen3-0.6B size on the CPU, a few steps per stage (rehearsal/gpu_check.md)
+	PYTHON=$(BIN)/python bash scripts/gpu_check.sh --cpu-full-size --out rehearsal
+
 # GPU check (README "GPU check"): the recipe's code paths on one CUDA GPU, offline, one table in gpu_check/gpu_check.md.
 # Exit 2 without a CUDA device; GPU_CHECK_ARGS="--cpu-smoke" runs the same sequence on the CPU with a tiny model.
 .PHONY: gpu-check

@@ -8,6 +8,7 @@
 #
 #   bash scripts/gpu_check.sh [--out OUT_DIR] [--budget SECONDS]   # exit 2 without a CUDA device
 #   bash scripts/gpu_check.sh --cpu-smoke                          # the same sequence on the CPU, tiny model
+#   bash scripts/gpu_check.sh --cpu-full-size --out rehearsal      # `make rehearse`: 0.6B-sized model on the CPU
 #
 # PYTHON=... picks the interpreter (default: .venv/bin/python when present, else python3). Exit 0: no row failed.
 set -u
