@@ -247,7 +247,7 @@ seeds: setup ## the pipeline over N seeds (default 3) and their spread (docs/see
 # against the memory plan. About 40 minutes on 2 cores and ~12 GB of memory; not in CI (its logic runs at tiny size
 # in tests/test_gpu_check.py). The table goes to rehearsal/gpu_check.md.
 .PHONY: rehearse
-rehearse: setup ## the recipe at Qwen3-0.6B size on the CPU, a few steps per stage (rehearsal/gpu_check.md)
+rehearse: setup ## the recipe at Qwen3-0.6B size on the CPU, a few steps a stage (rehearsal/)
 	PYTHON=$(BIN)/python bash scripts/gpu_check.sh --cpu-full-size --out rehearsal
 
 # GPU check (README "GPU check"): the recipe's code paths on one CUDA GPU, offline, one table in gpu_check/gpu_check.md.

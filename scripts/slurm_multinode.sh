@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')  # awk reads to the end: head would close the pipe early (SIGPIPE under pipefail)
 NPROC=$((SLURM_NNODES * GPUS_PER_NODE))
 # 1. the recipe written into params.yaml (a no-op when already there), then the data and the base model
 if [ -n "${RECIPE:-}" ]; then  # unquoted on purpose: RECIPE may name several files, applied in order

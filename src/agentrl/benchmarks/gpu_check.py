@@ -53,8 +53,9 @@ when no row failed, else 1.
 
 --cpu-smoke runs the same sequence on the CPU with a tiny model and tiny step counts, so the script's own logic is
 tested without a GPU (tests/test_gpu_check.py); --cpu-full-size (`make rehearse`) runs it with the 0.6B-sized
-stand-in in fp32 (SFT truncates every example to 96 tokens, GRPO samples 32). On the CPU the ZeRO rows run 2
-processes over gloo, and vLLM is skipped (CUDA-only).
+stand-in in fp32 (2 SFT steps of 2 examples, one GRPO step sampling 2 x 32 tokens). On the CPU the ZeRO rows run
+2 processes over gloo, and vLLM is skipped (CUDA-only). The plan is given the data's longest SFT example and
+prompt as its sequence lengths.
 """
 
 BASELINE = "baseline: interpreter + libraries"  # its peak RSS is what the training rows' plan comparison subtracts
@@ -382,9 +383,10 @@ class Check:
         )
 
     def compare_with_plan(self) -> list[str]:
-        """The memory plan (memory_plan.plan, device cpu, or gpu for a CUDA run's host RSS: not comparable, so
-        only on the CPU) of each training row that ran, against its peak RSS less the baseline row's; the error
-        goes into the row (plan_bytes, plan_error) and its note.
+        """The memory plan (memory_plan.plan, device cpu; a CUDA run's host RSS is not what it plans, so only on
+        the CPU) of each training row that ran, with the data's longest SFT example and GRPO prompt as the
+        sequence lengths, against the row's peak RSS less the baseline row's; the error goes into the row
+        (plan_bytes, plan_error) and its note.
 
         Returns:
             A line for the header (the largest error), or [] when nothing was compared.
@@ -397,13 +399,15 @@ class Check:
         info = self.metric("gpu_check_stand_in")
         if not self.cpu or not base or "longest_prompt_tokens" not in info:
             return []
+        # the plan assumes every sequence at its maximum: here, the data's longest example and prompt
+        lengths = {"sft.trainer.max_length": info["longest_sft_tokens"]}
         errors = []
         for row in self.rows:
             if row["path"] not in self.planned or row["status"] != "ok" or not row["peak_rss_bytes"]:
                 continue
             phase, over = self.planned[row["path"]]
             tree = json.loads(json.dumps(self.params))
-            for key, value in over.items():
+            for key, value in {**over, **lengths}.items():
                 set_value(tree, key, value)
             predicted = plan(recipe_from_params(tree, row["path"], "cpu", info["longest_prompt_tokens"]))
             measured = row["peak_rss_bytes"] - base

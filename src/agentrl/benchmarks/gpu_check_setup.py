@@ -3,8 +3,7 @@
 short local run), a randomly initialised Qwen3 of Qwen3-0.6B's dimensions (or a tiny one for --cpu-smoke) with the
 project's tokenizer padded to its vocabulary, and the tool loop's tokens/s on the device. The sizes: "gpu" (`make
 gpu-check`), "cpu" (--cpu-smoke: tiny model, the script's logic) and "rehearse" (--cpu-full-size, `make rehearse`:
-the 0.6B-sized model in fp32 on the CPU, a few steps, every sequence at its maximum length so the memory plan's
-assumption holds)."""
+the 0.6B-sized model in fp32 on the CPU, a few steps)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ SMOKE_MODEL = dict(
 
 
 # step counts and sizes: GPU (about 6-8 minutes on one H200 in all), the CPU smoke run and the CPU rehearsal at full
-# size (sft_length: SFT's max_length, below every example's length so each is truncated to exactly it; None: the
-# recipe's)
+# size (sft_length: SFT's max_length; None: the recipe's)
 SIZES = {
     "gpu": dict(
         num_train=2000,
@@ -85,7 +83,7 @@ SIZES = {
         completion=32,
         verify=2,
         sft_batch=2,
-        sft_length=96,
+        sft_length=None,
         budget=5400,
     ),
 }
@@ -220,7 +218,7 @@ def build_stand_in(out: str, size: str) -> dict:
 
     Returns:
         {"parameters", "vocab_size", "mean_sft_tokens"} (mean tokens of 200 SFT examples, capped at max_length),
-        "shortest_sft_tokens" (uncapped), "longest_prompt_tokens" (GRPO's prompts as its chat template renders
+        "longest_sft_tokens" (capped likewise), "longest_prompt_tokens" (GRPO's prompts as its chat template renders
         them), "model_dims" (measure.model_dims) and "matmul_peak" (measure.matmul_peak: a bf16 8192x8192 GEMM on
         the GPU, an fp32 one of 512 or, at full size, 2048 on the CPU), for the rows' MFU and the memory plan.
     """
@@ -264,7 +262,7 @@ def build_stand_in(out: str, size: str) -> dict:
         "parameters": n_params,
         "vocab_size": len(tok),
         "mean_sft_tokens": sum(min(n, max_len) for n in lengths) / len(lengths),
-        "shortest_sft_tokens": min(lengths),
+        "longest_sft_tokens": min(max(lengths), max_len),
         "longest_prompt_tokens": max(len(ids if isinstance(ids, list) else ids["input_ids"]) for ids in prompts),
         "model_dims": model_dims(cfg, "the stand-in's Qwen3Config"),
         "matmul_peak": peak,
