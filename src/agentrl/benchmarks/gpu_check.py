@@ -436,13 +436,7 @@ class Check:
         Returns:
             The exit code: 1 when a row failed, else 0.
         """
-        lines = ["| path | status | seconds | tokens/s | peak RSS GiB | note |", "|---|---|---:|---:|---:|---|"]
-        for r in self.rows:
-            sec = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
-            tps = "" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
-            rss = "" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**30:.2f}"
-            lines.append(f"| {r['path']} | {r['status']} | {sec} | {tps} | {rss} | {r['note']} |")
-        text = "\n".join(header + [""] + lines) + "\n"
+        text = "\n".join(header + [""] + table(self.rows)) + "\n"
         (self.out / "gpu_check.md").write_text(text)
         (self.out / "gpu_check.json").write_text(json.dumps({"header": header, "rows": self.rows}, indent=2) + "\n")
         print("\n" + text, flush=True)
@@ -456,6 +450,24 @@ class Check:
         shutil.rmtree(self.logs, ignore_errors=True)
         shutil.rmtree(self.work, ignore_errors=True)
         return 1 if any(r["status"] == "fail" for r in self.rows) else 0
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The rows as a markdown table (gpu_check.md; also to re-render a saved gpu_check.json).
+
+    Args:
+        rows: gpu_check.json's rows.
+
+    Returns:
+        The table's lines.
+    """
+    lines = ["| path | status | seconds | tokens/s | peak RSS GiB | note |", "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        sec = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
+        tps = "" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.3g}"  # CPU rehearsal rows: a few tokens/s
+        rss = "" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 2**30:.2f}"
+        lines.append(f"| {r['path']} | {r['status']} | {sec} | {tps} | {rss} | {r['note']} |")
+    return lines
 
 
 def wait_with_peak_rss(proc: subprocess.Popen, timeout: float) -> tuple[int | None, int | None]:
