@@ -103,22 +103,33 @@ class Check:
             self.env["CUDA_VISIBLE_DEVICES"] = ""
         self.logs.mkdir(parents=True, exist_ok=True)
 
-    def write_params(self, overrides: dict | None = None) -> None:
-        """Write the scratch copy's params.yaml: the check's params with a row's overrides.
+    def params_with(self, overrides: dict | None = None) -> dict:
+        """The check's params with a row's overrides (a copy; the check's own stay as they are).
 
         Args:
             overrides: dotted key -> value, or None.
+
+        Returns:
+            The params tree.
         """
         import copy
-
-        import yaml
 
         from agentrl.experiments.overrides import set_value
 
         p = copy.deepcopy(self.params)
         for k, v in (overrides or {}).items():
             set_value(p, k, v)
-        (self.work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+        return p
+
+    def write_params(self, overrides: dict | None = None) -> None:
+        """Write the scratch copy's params.yaml: the check's params with a row's overrides.
+
+        Args:
+            overrides: dotted key -> value, or None.
+        """
+        import yaml
+
+        (self.work / "params.yaml").write_text(yaml.safe_dump(self.params_with(overrides), sort_keys=False))
 
     def metric(self, name: str) -> dict:
         """A stage's headline metrics merged with its diagnostics (common.read_metrics), or this script's own
@@ -391,8 +402,6 @@ class Check:
         Returns:
             A line for the header (the largest error), or [] when nothing was compared.
         """
-        from agentrl.experiments.overrides import set_value
-
         from .memory_plan import plan, recipe_from_params, relative_error
 
         base = next((r["peak_rss_bytes"] for r in self.rows if r["path"] == BASELINE and r["status"] == "ok"), None)
@@ -406,9 +415,7 @@ class Check:
             if row["path"] not in self.planned or row["status"] != "ok" or not row["peak_rss_bytes"]:
                 continue
             phase, over = self.planned[row["path"]]
-            tree = json.loads(json.dumps(self.params))
-            for key, value in {**over, **lengths}.items():
-                set_value(tree, key, value)
+            tree = self.params_with({**over, **lengths})
             predicted = plan(recipe_from_params(tree, row["path"], "cpu", info["longest_prompt_tokens"]))
             measured = row["peak_rss_bytes"] - base
             error = relative_error(predicted, {phase: measured})[phase]
@@ -578,18 +585,6 @@ def environment(py: str, env: dict) -> list[str]:
     return [r.stdout.strip() or f"(versions unavailable: {r.stderr.strip()[-200:]})"]
 
 
-def cpu_name() -> str:
-    """The CPU's model name and core count (lscpu's "Model name"; /proc/cpuinfo's family and model beside it).
-
-    Returns:
-        e.g. "AMD EPYC (family 26, model 2), 2 cores".
-    """
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    fields = dict(re.findall(r"^(model name|cpu family|model)\s*:\s*(.+)$", info, re.M))
-    where = f" (family {fields['cpu family']}, model {fields['model']})" if "cpu family" in fields else ""
-    return f"{fields.get('model name', 'unknown')}{where}, {os.cpu_count()} cores"
-
-
 def parser() -> argparse.ArgumentParser:
     """scripts/gpu_check.py's flags (and the helper rows' hidden ones).
 
@@ -648,7 +643,9 @@ def main(argv: list[str] | None = None) -> None:
         "cpu": "# GPU check (--cpu-smoke: tiny model on the CPU)",
         "rehearse": "# Rehearsal at full size (--cpu-full-size: the Qwen3-0.6B-sized stand-in, fp32, on the CPU)",
     }[check.size_key]
-    header = [title, "", f"{environment(args.python, check.env)[0]}", f"CPU: {cpu_name()}"]
+    from .measure import machine
+
+    header = [title, "", f"{environment(args.python, check.env)[0]}", f"CPU: {machine()}"]
     try:
         check.sequence()
     finally:
