@@ -221,7 +221,7 @@ bench-tools: setup-openenv ## the tool loop vs plain generate, the decode ceilin
 # estimators + activations, LM head tiles and KV cache from the model's dims), and the GPU size each fits
 .PHONY: memory-plan
 memory-plan: setup ## peak GPU memory per process of SFT and GRPO, per recipe and ZeRO stage
-	python scripts/memory_plan.py
+	python scripts/memory_plan.py $(ARGS)
 
 # The cost of reproducibility.mode portable vs native (SFT and GRPO step times, each mode in its own processes,
 # alternating): metrics/bench_reproducibility.json (docs/reproducibility.md)

@@ -9,4 +9,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs wit
 from agentrl.benchmarks.memory_plan import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -75,11 +75,26 @@ def test_matmul_peak_times_a_gemm():
 
 def test_activation_bytes_of_a_tiny_batch_equal_the_hand_computation():
     phase = mp.Phase(None, (), batch=1, sequence=2, checkpointing=False, logits_tokens=2)
-    per_layer = 4 * 8 + 4 * 8 + 4 * 4 + 4 * 16  # 4h + 4q + 4kv + 4i values per token
-    head = 10 * 2 * 100 * 4  # TRL's fused LM head on the CPU: 10 fp32 tiles of 2 scored tokens x 100 entries
+    # 4h + 4q + 4kv + 4i values per token, and keys and values repeated to both query heads (2q; kv 4 < q 8)
+    per_layer = 4 * 8 + 4 * 8 + 4 * 4 + 4 * 16 + 2 * 8
+    head = 8.25 * 2 * 100 * 4  # TRL's fused LM head on the CPU: 8.25 fp32 tiles of 2 scored tokens x 100 entries
     assert mp.activation_bytes(DIMS, phase, "bf16", "cpu") == 2 * 2 * per_layer * 2 + head
     checkpointed = dataclasses.replace(phase, checkpointing=True)
     assert mp.activation_bytes(DIMS, checkpointed, "bf16", "cpu") == 2 * (2 * 8 + per_layer) * 2 + head
+
+
+def test_lora_dropout_keeps_each_adapters_copy_of_its_input():
+    phase = mp.Phase(4, ("q_proj", "o_proj", "down_proj"), batch=1, sequence=2, checkpointing=False, logits_tokens=2)
+    without = mp.layer_values_per_token(DIMS, phase)
+    with_dropout = mp.layer_values_per_token(DIMS, dataclasses.replace(phase, lora_dropout=0.05))
+    assert with_dropout - without == 8 + 8 + 16  # q_proj's input h, o_proj's q, down_proj's i
+
+
+def test_recipe_reads_lora_dropout_from_params():
+    tree = mp.load_tree(None)
+    tree["sft"]["use_lora"] = True
+    tree["sft"]["lora"]["lora_dropout"] = 0.125
+    assert mp.recipe_from_params(tree, "t").sft.lora_dropout == 0.125
 
 
 def test_fused_head_tiles_are_trls():

@@ -101,6 +101,12 @@ class Check:
         }
         if self.cpu:
             self.env["CUDA_VISIBLE_DEVICES"] = ""
+            # Peak RSS should count the tensors a step holds, as the memory plan does. glibc raises its mmap threshold
+            # each time an mmapped block is freed (mallopt(3)), after which freed activations of up to 32 MiB stay in
+            # its heap and later ones are not laid into them: one SFT step of the 0.6B stand-in then peaked 2.1 GiB
+            # above its live tensors (docs/rehearsal/probe_results.txt). Setting the threshold (to glibc's default)
+            # turns that off: freed blocks go back to the kernel and peak RSS = weights + peak live tensors.
+            self.env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
         self.logs.mkdir(parents=True, exist_ok=True)
 
     def params_with(self, overrides: dict | None = None) -> dict:
@@ -416,10 +422,16 @@ class Check:
                 continue
             phase, over = self.planned[row["path"]]
             tree = self.params_with({**over, **lengths})
-            predicted = plan(recipe_from_params(tree, row["path"], "cpu", info["longest_prompt_tokens"]))
+            recipe = recipe_from_params(tree, row["path"], "cpu", info["longest_prompt_tokens"])
+            predicted = plan(recipe)
             measured = row["peak_rss_bytes"] - base
             error = relative_error(predicted, {phase: measured})[phase]
-            row.update(plan_bytes=predicted[phase]["total"], plan_error=error)
+            # what the plan read, so that a revised plan can be checked against this run (memory_plan --against)
+            plan_inputs = {k: tree[k] for k in ("model", "sft", "grpo", "distributed")}
+            plan_inputs.update(
+                phase=phase, dims=recipe.dims, prompt_tokens=info["longest_prompt_tokens"], baseline_bytes=base
+            )
+            row.update(plan_bytes=predicted[phase]["total"], plan_error=error, plan_inputs=plan_inputs)
             row["note"] += (
                 f"; memory plan {predicted[phase]['total'] / 2**30:.2f} GiB vs measured {measured / 2**30:.2f} GiB "
                 f"(peak RSS - baseline): {error:+.0%}"

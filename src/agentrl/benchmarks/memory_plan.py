@@ -27,10 +27,11 @@ CUDA_RESERVE_BYTES = 1.0 * GB  # the CUDA context and the caching allocator's fr
 KNOWN_ARCHITECTURES = {"Qwen/Qwen3-0.6B": QWEN3_0_6B}  # config.json dims of the hub models recipes name
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAPTER_BYTES = 4  # PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype) whatever the base model's dtype
-# fp32 tiles of TRL's fused LM head alive at its peak (activation_bytes): measured on the CPU (its torch path keeps the
-# tile's logits, probabilities, log-probabilities and gradient terms); on a GPU the Triton kernels keep the projection
-# buffer and the backward's, an estimate until a GPU run measures it
-FUSED_HEAD_TILES = {"cpu": 10, "gpu": 2}
+# fp32 tiles of TRL's fused LM head alive at its peak (activation_bytes). CPU: counted tensor by tensor in one SFT step
+# of the Qwen3-0.6B-sized stand-in (docs/rehearsal/probe_live_tensors.py): its torch path keeps eight fp32 tiles (the
+# logits, their exp, two differences, two products, a zeroed gradient, a copy) and a bool one (a quarter). GPU: the
+# Triton kernels keep the projection buffer and the backward's, an estimate until a GPU run measures it
+FUSED_HEAD_TILES = {"cpu": 8.25, "gpu": 2}
 PROMPT_TOKENS = 256  # --prompt-tokens: GRPO's prompt length (a chat-templated GSM8K question fits)
 
 
@@ -66,6 +67,7 @@ class Phase:
     sequence: tokens per trained sequence.
     checkpointing: activation checkpointing on.
     logits_tokens: tokens per sequence the loss scores (all for SFT, the completion for GRPO).
+    lora_dropout: LoRA's dropout probability (above 0, each adapter keeps its own dropped copy of its input).
     """
 
     lora_r: int | None
@@ -74,6 +76,7 @@ class Phase:
     sequence: int
     checkpointing: bool
     logits_tokens: int
+    lora_dropout: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +195,39 @@ def fused_head_bytes(dims: dict, scored_tokens: int, device: str) -> int:
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
     tile = min(scored_tokens, TOKEN_CHUNK_SIZE) * min(dims["vocab_size"], _CHUNKED_LOGPROB_CHUNK_SIZE)
-    return FUSED_HEAD_TILES[device] * tile * 4
+    return int(FUSED_HEAD_TILES[device] * tile * 4)
+
+
+def layer_values_per_token(dims: dict, phase: Phase) -> int:
+    """The values one Qwen3 layer keeps per token for its backward pass (SwiGLU, GQA, RMSNorm, SDPA: no seq x seq
+    scores kept): 4h + 4*q + 4*kv + 4i: the two norms' inputs and outputs; q, k, v before and after their norm and
+    RoPE; the attention output; gate, up, act(gate) and their product. Plus what transformers' SDPA path and PEFT add,
+    both counted tensor by tensor on the CPU (docs/rehearsal/probe_live_tensors.py): grouped-query keys and values
+    repeated to every query head (repeat_kv: a padded batch has a mask, which SDPA's own GQA does not take), 2*q; and
+    with LoRA dropout above 0, each adapter's dropped copy of its input (h for q, k, v, gate, up; q for o; i for down).
+
+    Args:
+        dims: model_dims' dict.
+        phase: the LoRA modules and dropout.
+
+    Returns:
+        Values per token.
+    """
+    h, i, d = dims["hidden_size"], dims["intermediate_size"], dims["head_dim"]
+    q, kv = dims["num_attention_heads"] * d, dims["num_key_value_heads"] * d
+    values = 4 * h + 4 * q + 4 * kv + 4 * i
+    if kv < q:
+        values += 2 * q
+    if phase.lora_r is not None and phase.lora_dropout > 0:
+        shapes = _lora_shapes(dims)
+        names = list(shapes) if phase.lora_modules == "all-linear" else list(phase.lora_modules)
+        values += sum(shapes[m][0] for m in names)
+    return values
 
 
 def activation_bytes(dims: dict, phase: Phase, precision: str, device: str) -> int:
-    """What the backward pass keeps of one micro-batch, plus the LM head's tiles. Per token and layer a Qwen3 layer
-    (SwiGLU, GQA, RMSNorm, SDPA: no seq x seq scores kept) stores 4h + 4*q + 4*kv + 4i values: the two norms' inputs
-    and outputs; q, k, v before and after their norm and RoPE; the attention output; gate, up, act(gate) and their
-    product. With activation checkpointing only each layer's input stays, and one layer is recomputed at a time.
+    """What the backward pass keeps of one micro-batch, plus the LM head's tiles: layer_values_per_token per layer.
+    With activation checkpointing only each layer's input stays, and one layer is recomputed at a time.
 
     Args:
         dims: model_dims' dict.
@@ -210,9 +238,8 @@ def activation_bytes(dims: dict, phase: Phase, precision: str, device: str) -> i
     Returns:
         Bytes.
     """
-    p, h, d = BYTES_PER_VALUE[precision], dims["hidden_size"], dims["head_dim"]
-    q, kv = dims["num_attention_heads"] * d, dims["num_key_value_heads"] * d
-    per_layer = 4 * h + 4 * q + 4 * kv + 4 * dims["intermediate_size"]
+    p, h = BYTES_PER_VALUE[precision], dims["hidden_size"]
+    per_layer = layer_values_per_token(dims, phase)
     tokens, layers = phase.batch * phase.sequence, dims["num_hidden_layers"]
     kept = layers * h + per_layer if phase.checkpointing else layers * per_layer
     return tokens * kept * p + fused_head_bytes(dims, phase.batch * phase.logits_tokens, device)
@@ -350,7 +377,9 @@ def _checkpointing(trainer: dict, config_class) -> bool:
     return bool(value if value is not None else _trainer_value(trainer, "gradient_checkpointing", config_class))
 
 
-def recipe_from_params(tree: dict, name: str, device: str = "gpu", prompt_tokens: int = PROMPT_TOKENS) -> Recipe:
+def recipe_from_params(
+    tree: dict, name: str, device: str = "gpu", prompt_tokens: int = PROMPT_TOKENS, dims: dict | None = None
+) -> Recipe:
     """A Recipe from a params tree (params.yaml with a recipe applied).
 
     Args:
@@ -358,6 +387,7 @@ def recipe_from_params(tree: dict, name: str, device: str = "gpu", prompt_tokens
         name: the recipe's name for the report.
         device: "gpu" or "cpu": what precision "auto" becomes (bf16 or fp32).
         prompt_tokens: GRPO's prompt length.
+        dims: the model's dims when model.base_model is no longer there to read (a past run's stand-in).
 
     Returns:
         The Recipe.
@@ -365,7 +395,7 @@ def recipe_from_params(tree: dict, name: str, device: str = "gpu", prompt_tokens
     import yaml
     from trl import GRPOConfig, SFTConfig
 
-    dims, _ = dims_for(tree["model"])
+    dims = dims or dims_for(tree["model"])[0]
     precision = tree["model"]["precision"]
     if precision == "auto":
         precision = "bf16" if device == "gpu" else "fp32"
@@ -377,6 +407,9 @@ def recipe_from_params(tree: dict, name: str, device: str = "gpu", prompt_tokens
 
     def lora(section: dict) -> tuple:  # (rank, target modules), or (None, ()) for full fine-tuning
         return (section["lora"]["r"], section["lora"]["target_modules"]) if section["use_lora"] else (None, ())
+
+    def dropout(section: dict) -> float:  # PEFT's LoraConfig default is 0
+        return section["lora"].get("lora_dropout", 0.0) if section["use_lora"] else 0.0
 
     grpo_vllm = _trainer_value(grpo_t, "use_vllm", GRPOConfig) and _trainer_value(grpo_t, "vllm_mode", GRPOConfig)
     return Recipe(
@@ -394,6 +427,7 @@ def recipe_from_params(tree: dict, name: str, device: str = "gpu", prompt_tokens
             sequence,
             _checkpointing(sft_t, SFTConfig),
             sequence,
+            dropout(tree["sft"]),
         ),  # fmt: skip
         grpo=Phase(
             *lora(tree["grpo"]),
@@ -401,6 +435,7 @@ def recipe_from_params(tree: dict, name: str, device: str = "gpu", prompt_tokens
             prompt_tokens + completion,
             _checkpointing(grpo_t, GRPOConfig),
             completion,
+            dropout(tree["grpo"]),
         ),  # fmt: skip
         generation_tokens=prompt_tokens + completion,
         reference_model=_trainer_value(grpo_t, "beta", GRPOConfig) > 0 and not tree["grpo"]["use_lora"],
@@ -478,20 +513,78 @@ def report(recipe: Recipe) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`make memory-plan`: the plan of params.yaml and of each recipe, printed.
+def against_run(path: Path) -> list[dict]:
+    """This plan against a past rehearsal's measured peaks (gpu_check.json: each training row keeps what the plan
+    read, plan_inputs), so that a revised plan is checked without measuring again.
+
+    Args:
+        path: a gpu_check.json written on the CPU.
+
+    Returns:
+        One dict per planned row: path, phase, planned and measured bytes (peak RSS less the baseline row's), error.
+    """
+    rows = [r for r in json.loads(Path(path).read_text())["rows"] if r.get("plan_inputs")]
+    if not rows:
+        raise ValueError(f"{path}: no row has plan_inputs (a CPU rehearsal's gpu_check.json has them on its training rows)")
+    checked = []
+    for row in rows:
+        inputs = row["plan_inputs"]
+        recipe = recipe_from_params(inputs, row["path"], "cpu", inputs["prompt_tokens"], dims=inputs["dims"])
+        planned = plan(recipe)
+        measured = row["peak_rss_bytes"] - inputs["baseline_bytes"]
+        error = relative_error(planned, {inputs["phase"]: measured})[inputs["phase"]]
+        checked.append(
+            dict(path=row["path"], phase=inputs["phase"], planned=planned[inputs["phase"]], measured=measured, error=error)
+        )
+    return checked
+
+
+def print_against(path: Path, tolerance: float) -> int:
+    """`make memory-plan ARGS="--against docs/rehearsal/gpu_check.json"`: against_run's rows, printed.
+
+    Args:
+        path: a gpu_check.json written on the CPU.
+        tolerance: the largest relative error that passes.
+
+    Returns:
+        The exit code: 1 when a row is off by more than the tolerance.
+    """
+    gib, worst = 2**30, 0.0
+    print(f"Memory plan (device cpu) against the measured peaks of {path} (peak RSS less the baseline row's):")
+    for r in against_run(path):
+        parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in r["planned"].items() if k != "total" and v)
+        print(
+            f"  {r['path']}: planned {r['planned']['total'] / gib:.2f} GiB ({parts}), measured "
+            f"{r['measured'] / gib:.2f} GiB: {r['error']:+.1%}"
+        )
+        worst = max(worst, abs(r["error"]))
+    print(f"largest error {worst:.1%} (tolerance {tolerance:.0%})")
+    return int(worst > tolerance)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`make memory-plan`: the plan of params.yaml and of each recipe, printed; with --against, the plan checked
+    against a rehearsal's measured peaks.
 
     Args:
         argv: the arguments (None: sys.argv[1:]).
+
+    Returns:
+        The exit code.
     """
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipes", nargs="*", type=Path, help="default: params.yaml and configs/recipes/*.yaml")
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="what precision auto means")
     ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="GRPO's prompt length")
+    ap.add_argument("--against", type=Path, help="a CPU rehearsal's gpu_check.json: the plan against its peaks")
+    ap.add_argument("--tolerance", type=float, default=0.2, help="with --against: the largest error that passes")
     args = ap.parse_args(argv)
+    if args.against:
+        return print_against(args.against, args.tolerance)
     recipes = args.recipes or [None, *sorted((ROOT / "configs/recipes").glob("*.yaml"))]
     print(f"Predicted peak memory per process ({args.device}; every sequence at its maximum length, GRPO prompts of "
           f"{args.prompt_tokens} tokens; a GPU keeps {CUDA_RESERVE_BYTES / GB:.0f} GB for CUDA):")  # fmt: skip
     for path in recipes:
         name = "params.yaml" if path is None else os.path.relpath(path.resolve(), ROOT)
         print("\n".join(report(recipe_from_params(load_tree(path), name, args.device, args.prompt_tokens))))
+    return 0
