@@ -525,7 +525,9 @@ def against_run(path: Path) -> list[dict]:
     """
     rows = [r for r in json.loads(Path(path).read_text())["rows"] if r.get("plan_inputs")]
     if not rows:
-        raise ValueError(f"{path}: no row has plan_inputs (a CPU rehearsal's gpu_check.json has them on its training rows)")
+        raise ValueError(
+            f"{path}: no row has plan_inputs (a CPU rehearsal's gpu_check.json has them on its training rows)"
+        )
     checked = []
     for row in rows:
         inputs = row["plan_inputs"]
@@ -533,9 +535,8 @@ def against_run(path: Path) -> list[dict]:
         planned = plan(recipe)
         measured = row["peak_rss_bytes"] - inputs["baseline_bytes"]
         error = relative_error(planned, {inputs["phase"]: measured})[inputs["phase"]]
-        checked.append(
-            dict(path=row["path"], phase=inputs["phase"], planned=planned[inputs["phase"]], measured=measured, error=error)
-        )
+        phase = inputs["phase"]
+        checked.append(dict(path=row["path"], phase=phase, planned=planned[phase], measured=measured, error=error))
     return checked
 
 
