@@ -80,7 +80,20 @@ def test_activation_bytes_of_a_tiny_batch_equal_the_hand_computation():
     head = 8.25 * 2 * 100 * 4  # TRL's fused LM head on the CPU: 8.25 fp32 tiles of 2 scored tokens x 100 entries
     assert mp.activation_bytes(DIMS, phase, "bf16", "cpu") == 2 * 2 * per_layer * 2 + head
     checkpointed = dataclasses.replace(phase, checkpointing=True)
-    assert mp.activation_bytes(DIMS, checkpointed, "bf16", "cpu") == 2 * (2 * 8 + per_layer) * 2 + head
+    # checkpointed: each layer's input, then the head's tiles or one recomputed layer, whichever is larger
+    assert mp.activation_bytes(DIMS, checkpointed, "bf16", "cpu") == 2 * 2 * 8 * 2 + max(head, 2 * per_layer * 2)
+    long = dataclasses.replace(checkpointed, sequence=200, logits_tokens=1)  # a layer outweighs 1 token's tiles
+    assert mp.activation_bytes(DIMS, long, "bf16", "gpu") == 200 * 2 * 8 * 2 + 200 * per_layer * 2
+
+
+def test_the_cpu_head_scores_every_position_and_a_gpus_only_the_labelled_ones():
+    """TRL's fused head runs every position through the projection off Triton devices (GRPO's prompt too)."""
+    phase = mp.Phase(None, (), batch=1, sequence=50, checkpointing=True, logits_tokens=5)
+    kept = 50 * 2 * 8 * 2  # each layer's input
+    assert mp.activation_bytes(DIMS, phase, "bf16", "cpu") == kept + mp.fused_head_bytes(DIMS, 50, "cpu")
+    assert mp.activation_bytes(DIMS, phase, "bf16", "gpu") == kept + max(
+        mp.fused_head_bytes(DIMS, 5, "gpu"), 50 * mp.layer_values_per_token(DIMS, phase) * 2
+    )
 
 
 def test_lora_dropout_keeps_each_adapters_copy_of_its_input():
@@ -106,14 +119,19 @@ def test_fused_head_tiles_are_trls():
     assert mp.fused_head_bytes(big, 10 * TOKEN_CHUNK_SIZE, "gpu") == mp.FUSED_HEAD_TILES["gpu"] * tile
 
 
-def test_zero2_plan_is_deepspeeds_estimate_plus_the_activations():
+def test_zero2_plan_is_deepspeeds_estimate_plus_its_reduce_bucket_plus_the_activations():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     r = recipe(zero_stage=2, processes=2)
     deepspeed_gpu_bytes = estimate_zero2_model_states_mem_needs(1952, num_gpus_per_node=2, cpu_offload=False)[1]
     p = mp.plan(r)
     assert p["sft"]["model_states"] == deepspeed_gpu_bytes
-    assert p["sft"]["total"] == deepspeed_gpu_bytes + mp.activation_bytes(DIMS, r.sft, "bf16", "gpu")
+    bucket = 500_000_000 * 2  # DeepSpeed's default reduce_bucket_size in bf16, reserved whole on a GPU
+    assert p["sft"]["reduce_bucket"] == bucket
+    assert p["sft"]["total"] == deepspeed_gpu_bytes + bucket + mp.activation_bytes(DIMS, r.sft, "bf16", "gpu")
+    # on the CPU only the pages the gradients are written to count: the 1,952 trainable parameters' fp32 bytes
+    assert mp.reduce_bucket_bytes(recipe(zero_stage=3, processes=2, device="cpu", precision="fp32"), r.sft) == 1952 * 4
+    assert mp.reduce_bucket_bytes(recipe(), r.sft) == 0  # no DeepSpeed, no bucket
 
 
 def test_zero3_lora_plan_is_deepspeeds_estimate_for_the_adapters_plus_the_frozen_share():
@@ -144,7 +162,9 @@ def test_zero3_on_two_processes_predicts_less_per_process_than_no_zero():
     bytes, split): two processes are not enough to win, and the plan says so."""
     alone, sharded = mp.plan(recipe(precision="fp32")), mp.plan(recipe(precision="fp32", zero_stage=3, processes=2))
     assert sharded["sft"]["model_states"] < alone["sft"]["model_states"]
-    assert sharded["sft"]["total"] < alone["sft"]["total"] and sharded["grpo"]["total"] < alone["grpo"]["total"]
+    for phase in ("sft", "grpo"):  # less, but for DeepSpeed's reduce bucket (2 GB in fp32, which a 1,952-parameter
+        # model does not amortise)
+        assert sharded[phase]["total"] - sharded[phase]["reduce_bucket"] < alone[phase]["total"]
     bf16_alone, bf16_zero3 = mp.plan(recipe()), mp.plan(recipe(zero_stage=3, processes=2))
     assert bf16_zero3["sft"]["model_states"] > bf16_alone["sft"]["model_states"]
     assert (
@@ -186,3 +206,16 @@ def test_memory_plan_prints_every_recipe(capsys):
     out = capsys.readouterr().out
     assert "params.yaml:" in out and "configs/recipes/qwen3-0.6b-gsm8k.yaml:" in out
     assert "<- the recipe" in out and "GB GPU" in out
+
+
+def test_zero3_grpo_samples_with_the_whole_model_gathered_unless_told_not_to():
+    r = recipe(zero_stage=3, processes=4)
+    weights = matmul_parameters(DIMS) * 2  # bf16
+    assert mp.gathered_for_generation(r) == weights - weights // 4  # the three quarters other processes own
+    p = mp.plan(r)["grpo"]
+    assert p["total"] >= p["model_states"] + p["reduce_bucket"] + p["kv_cache"] + p["gathered_weights"]
+    assert mp.gathered_for_generation(dataclasses.replace(r, gather_for_generation=False)) == 0
+    assert mp.gathered_for_generation(recipe(zero_stage=2, processes=4)) == 0
+    tree = mp.load_tree(None)
+    tree["grpo"]["trainer"]["ds3_gather_for_generation"] = False
+    assert mp.recipe_from_params(tree, "t").gather_for_generation is False

@@ -218,13 +218,16 @@ def build_stand_in(out: str, size: str) -> dict:
 
     Returns:
         {"parameters", "vocab_size", "mean_sft_tokens"} (mean tokens of 200 SFT examples, capped at max_length),
-        "longest_sft_tokens" (capped likewise), "longest_prompt_tokens" (GRPO's prompts as its chat template renders
-        them), "model_dims" (measure.model_dims) and "matmul_peak" (measure.matmul_peak: a bf16 8192x8192 GEMM on
-        the GPU, an fp32 one of 512 or, at full size, 2048 on the CPU), for the rows' MFU and the memory plan.
+        "longest_sft_tokens" (capped likewise), "longest_prompt_tokens" (their prompt part, chat template and tool
+        description, which GRPO's prompts share), "model_dims" (measure.model_dims) and "matmul_peak"
+        (measure.matmul_peak: a bf16 8192x8192 GEMM on the GPU, an fp32 one of 512 or, at full size, 2048 on the
+        CPU), for the rows' MFU and the memory plan.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from agentrl.agent.loop import sft_features
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.config import load_params
     from agentrl.data import load_jsonl
 
@@ -252,10 +255,15 @@ def build_stand_in(out: str, size: str) -> dict:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
-    texts = [tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=False) for r in rows[:200]]
-    lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    # the lengths the stages train on: SFT's examples as its dataset renders them (chat template, the tool
+    # description, the tool loop's segments), and their prompt part, which GRPO's prompts share
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
+    feats = [sft_features(tok, r["prompt"], r["completion"][0]["content"], toolset, r) for r in rows[:200]]
+    lengths = [len(f["input_ids"]) for f in feats]
+    prompt_lengths = [
+        f["completion_mask"].index(1) if 1 in f["completion_mask"] else len(f["completion_mask"]) for f in feats
+    ]
     max_len = params.sft.trainer.get("max_length", 1024) or 1024
-    prompts = [tok.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True) for r in rows[:200]]
     gemm = {"gpu": 8192, "rehearse": 2048, "cpu": 512}[size]
     peak = matmul_peak(dtype, size=gemm, device="cpu" if cpu else "cuda")
     return {
@@ -263,7 +271,7 @@ def build_stand_in(out: str, size: str) -> dict:
         "vocab_size": len(tok),
         "mean_sft_tokens": sum(min(n, max_len) for n in lengths) / len(lengths),
         "longest_sft_tokens": min(max(lengths), max_len),
-        "longest_prompt_tokens": max(len(ids if isinstance(ids, list) else ids["input_ids"]) for ids in prompts),
+        "longest_prompt_tokens": max(prompt_lengths),
         "model_dims": model_dims(cfg, "the stand-in's Qwen3Config"),
         "matmul_peak": peak,
     }

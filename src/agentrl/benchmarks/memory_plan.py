@@ -96,6 +96,7 @@ class Recipe:
     generation_tokens: int  # prompt + completion: the KV cache's length while sampling
     reference_model: bool  # a separate frozen copy (beta > 0 without LoRA; with LoRA the adapter is switched off)
     vllm_share: float  # the GPU memory fraction vLLM colocate takes (0 without it)
+    gather_for_generation: bool = True  # GRPOConfig.ds3_gather_for_generation: ZeRO-3 gathers the whole model to sample
 
 
 def lora_parameters(dims: dict, r: int, modules) -> int:
@@ -178,6 +179,51 @@ def model_state_bytes(recipe: Recipe, phase: Phase) -> int:
     return frozen_bytes + weights + 3 * trainable * trainable_bytes // recipe.processes  # gradient + 2 moments
 
 
+def gathered_for_generation(recipe: Recipe) -> int:
+    """Under ZeRO-3, TRL samples GRPO's completions inside unwrap_model_for_generation, which gathers every
+    parameter (ds3_gather_for_generation, its default): each process holds, for the length of generation, the
+    weights other processes own, in the model's dtype.
+
+    Args:
+        recipe: zero_stage, processes, precision, gather_for_generation.
+
+    Returns:
+        Bytes per process beyond its own share.
+    """
+    if recipe.zero_stage != 3 or not recipe.gather_for_generation:
+        return 0
+    weights = matmul_parameters(recipe.dims) * BYTES_PER_VALUE[recipe.precision]
+    return weights - weights // recipe.processes
+
+
+def reduce_bucket_bytes(recipe: Recipe, phase: Phase) -> int:
+    """DeepSpeed's gradient reduce bucket under ZeRO-2/3 (contiguous_gradients, its default): a torch.empty of
+    reduce_bucket_size elements in the model's dtype, at DeepSpeed's default size (accelerate's config sets none), which
+    DeepSpeed's estimators leave out. A GPU's allocator reserves it whole; on the CPU, RSS counts only the pages the
+    gradients are written to: at most the trainable parameters'.
+
+    Args:
+        recipe: zero_stage, precision, device.
+        phase: LoRA or full (the trainable parameters).
+
+    Returns:
+        Bytes per process.
+    """
+    if recipe.zero_stage not in (2, 3):
+        return 0
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    bucket = DeepSpeedZeroConfig(stage=recipe.zero_stage).reduce_bucket_size
+    if recipe.device == "cpu":
+        trainable = (
+            matmul_parameters(recipe.dims)
+            if phase.lora_r is None
+            else lora_parameters(recipe.dims, phase.lora_r, phase.lora_modules)
+        )
+        bucket = min(bucket, trainable)
+    return bucket * BYTES_PER_VALUE[recipe.precision]
+
+
 def fused_head_bytes(dims: dict, scored_tokens: int, device: str) -> int:
     """TRL's fused LM head (trl.trainer.utils.add_fused_lm_head, which SFTTrainer and GRPOTrainer install): the logits
     are never held whole; the head projects tiles of TOKEN_CHUNK_SIZE tokens x _CHUNKED_LOGPROB_CHUNK_SIZE
@@ -226,8 +272,10 @@ def layer_values_per_token(dims: dict, phase: Phase) -> int:
 
 
 def activation_bytes(dims: dict, phase: Phase, precision: str, device: str) -> int:
-    """What the backward pass keeps of one micro-batch, plus the LM head's tiles: layer_values_per_token per layer.
-    With activation checkpointing only each layer's input stays, and one layer is recomputed at a time.
+    """What the backward pass keeps of one micro-batch: layer_values_per_token per layer, and the LM head's tiles on
+    top (the head runs after every layer's forward). With activation checkpointing only each layer's input stays,
+    and the backward holds either the head's tiles or one recomputed layer, not both: the head's backward ends before
+    the first layer is recomputed (the peak sits in the head, probe_live_tensors.py).
 
     Args:
         dims: model_dims' dict.
@@ -241,8 +289,13 @@ def activation_bytes(dims: dict, phase: Phase, precision: str, device: str) -> i
     p, h = BYTES_PER_VALUE[precision], dims["hidden_size"]
     per_layer = layer_values_per_token(dims, phase)
     tokens, layers = phase.batch * phase.sequence, dims["num_hidden_layers"]
-    kept = layers * h + per_layer if phase.checkpointing else layers * per_layer
-    return tokens * kept * p + fused_head_bytes(dims, phase.batch * phase.logits_tokens, device)
+    # TRL scores only the labelled positions on Triton devices; elsewhere every position, to keep tile shapes fixed
+    # (trl.trainer.utils.add_fused_lm_head's `compact`): GRPO's prompts go through the head on the CPU
+    scored = phase.logits_tokens if device == "gpu" else phase.sequence
+    head = fused_head_bytes(dims, phase.batch * scored, device)
+    if phase.checkpointing:
+        return tokens * layers * h * p + max(head, tokens * per_layer * p)
+    return tokens * layers * per_layer * p + head
 
 
 def kv_cache_bytes(dims: dict, batch: int, tokens: int, precision: str) -> int:
@@ -262,30 +315,36 @@ def kv_cache_bytes(dims: dict, batch: int, tokens: int, precision: str) -> int:
 
 
 def plan(recipe: Recipe) -> dict:
-    """The predicted peak bytes per process of SFT and of GRPO, by component. GRPO samples (KV cache), then trains
-    (activations): the peak is the model states plus the larger of the two.
+    """The predicted peak bytes per process of SFT and of GRPO, by component. GRPO samples (KV cache; under ZeRO-3
+    the whole model gathered), then trains (activations): the peak is the model states plus the larger of the two.
 
     Args:
         recipe: the recipe.
 
     Returns:
-        {"sft": {"model_states", "activations", "total"}, "grpo": {"model_states", "reference_model",
-        "kv_cache", "activations", "total"}, "vllm_share"}.
+        {"sft": {"model_states", "reduce_bucket", "activations", "total"}, "grpo": {"model_states",
+        "reduce_bucket", "reference_model", "kv_cache", "gathered_weights", "activations", "total"}, "vllm_share"}.
     """
-    sft = {"model_states": model_state_bytes(recipe, recipe.sft)}
+    sft = {
+        "model_states": model_state_bytes(recipe, recipe.sft),
+        "reduce_bucket": reduce_bucket_bytes(recipe, recipe.sft),
+    }
     sft["activations"] = activation_bytes(recipe.dims, recipe.sft, recipe.precision, recipe.device)
-    sft["total"] = sft["model_states"] + sft["activations"]
+    sft["total"] = sft["model_states"] + sft["reduce_bucket"] + sft["activations"]
     split = recipe.processes if recipe.zero_stage == 3 else 1
     reference = matmul_parameters(recipe.dims) * BYTES_PER_VALUE[recipe.precision] // split
     grpo = {
         "model_states": model_state_bytes(recipe, recipe.grpo),
+        "reduce_bucket": reduce_bucket_bytes(recipe, recipe.grpo),
         "reference_model": reference if recipe.reference_model else 0,
         "kv_cache": 0
         if recipe.vllm_share
         else kv_cache_bytes(recipe.dims, recipe.grpo.batch, recipe.generation_tokens, recipe.precision),
         "activations": activation_bytes(recipe.dims, recipe.grpo, recipe.precision, recipe.device),
     }
-    grpo["total"] = grpo["model_states"] + grpo["reference_model"] + max(grpo["kv_cache"], grpo["activations"])
+    grpo["gathered_weights"] = gathered_for_generation(recipe) if not recipe.vllm_share else 0
+    states = grpo["model_states"] + grpo["reduce_bucket"] + grpo["reference_model"]
+    grpo["total"] = states + max(grpo["kv_cache"] + grpo["gathered_weights"], grpo["activations"])
     return {"sft": sft, "grpo": grpo, "vllm_share": recipe.vllm_share}
 
 
@@ -442,6 +501,7 @@ def recipe_from_params(
         vllm_share=_trainer_value(grpo_t, "vllm_gpu_memory_utilization", GRPOConfig)
         if grpo_vllm == "colocate"
         else 0.0,
+        gather_for_generation=bool(_trainer_value(grpo_t, "ds3_gather_for_generation", GRPOConfig)),
     )
 
 
