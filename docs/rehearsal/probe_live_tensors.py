@@ -7,8 +7,13 @@ beside it. Run in a copy of the rehearsal's scratch directory (params.yaml, mode
     PYTHONPATH=src python probe_live_tensors.py                                    # the recipe (checkpointing on)
     MALLOC_MMAP_THRESHOLD_=65536 PYTHONPATH=src python probe_live_tensors.py       # glibc's threshold fixed
     NO_CHECKPOINTING=1 MALLOC_MMAP_THRESHOLD_=65536 PYTHONPATH=src python probe_live_tensors.py
+    # under DeepSpeed, two processes (the accelerate configs of the repository):
+    MALLOC_MMAP_THRESHOLD_=131072 PYTHONPATH=src python -m accelerate.commands.launch \
+        --config_file configs/accelerate/zero2.yaml --num_processes 2 probe_live_tensors.py
+    STEPS=2 MALLOC_MMAP_THRESHOLD_=131072 PYTHONPATH=src python -m accelerate.commands.launch \
+        --config_file configs/accelerate/zero3.yaml --num_processes 2 probe_live_tensors.py
 
-Output of the three on file in probe_results.txt; agentrl.benchmarks.memory_plan's activation terms come from it.
+Output on file in probe_results.txt; agentrl.benchmarks.memory_plan's activation terms come from it.
 """
 
 import collections
@@ -61,19 +66,20 @@ class LiveTensors(TorchDispatchMode):
 def mark(where: str) -> None:
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"PROBE {where}: rss {rss:.2f} GiB, peak {peak:.2f}", flush=True)
+    print(f"PROBE rank {os.environ.get('RANK', 0)} {where}: rss {rss:.2f} GiB, peak {peak:.2f}", flush=True)
 
 
 params = load_params()
+# the TRL config first, as the stage builds it: under ZeRO-3 (zero3_init_flag) the model then loads partitioned
+args, _ = training.start(params, "sft", sft.sft_config)
+args.max_steps = int(os.environ.get("STEPS", 1))  # 2: DeepSpeed ZeRO-3 has traced a step
+if os.environ.get("NO_CHECKPOINTING"):
+    args.activation_checkpointing = args.gradient_checkpointing = False
 tok = load_tokenizer("models/base")
 tok.padding_side = "right"
 model = load_model("models/base", dtype=torch.float32)
 data = sft.dataset(tok, params).select(range(2))
 print("lengths", [len(ids) for ids in data["input_ids"]], flush=True)
-args, _ = training.start(params, "sft", sft.sft_config)
-args.max_steps = 1
-if os.environ.get("NO_CHECKPOINTING"):
-    args.activation_checkpointing = args.gradient_checkpointing = False
 trainer = SFTTrainer(
     model=model, args=args, train_dataset=data, processing_class=tok, peft_config=training.peft_config(params, "sft")
 )
@@ -86,7 +92,8 @@ counter = LiveTensors({w.untyped_storage().data_ptr() for w in weights})
 with counter:
     trainer.train()
 mark(f"after step ({time.time() - start:.0f} s)")
-print(f"PEAK live new tensors {counter.peak / 2**30:.3f} GiB; still alive {counter.now / 2**30:.3f}")
+rank = os.environ.get("RANK", 0)
+print(f"rank {rank} PEAK live new tensors {counter.peak / 2**30:.3f} GiB; still alive {counter.now / 2**30:.3f}")
 by_kind = collections.Counter()
 for nbytes, op, shape in counter.at_peak:
     by_kind[(op, shape)] += nbytes

@@ -1,10 +1,10 @@
 """`make memory-plan` (scripts/memory_plan.py): the predicted peak memory per process of SFT and GRPO for a recipe
 (model dims, LoRA or full, precision, ZeRO stage, processes, batch, sequence and generation lengths), and which GPU
 sizes that fits. Model states come from DeepSpeed's own estimators (estimate_zero2/zero3_model_states_mem_needs)
-where DeepSpeed runs; activations, TRL's fused LM head and the KV cache from the model's dims. `relative_error`
-checks a plan against measured peaks (the CPU rehearsal's). On six fp32 full fine-tuning steps on the CPU (5-19M
-parameters, batch 2-16, 256-512 tokens, checkpointing on and off, TRL's fused head) the plan was within -15%..+13%
-of the measured peak RSS growth.
+where DeepSpeed runs; its reduce bucket, activations, TRL's fused LM head, the KV cache and ZeRO-3's gathered weights
+from the model's dims and the libraries' own settings. The activation terms were counted tensor by tensor in one SFT
+step of the Qwen3-0.6B-sized stand-in (docs/rehearsal/probe_live_tensors.py); `--against` checks the plan against a
+CPU rehearsal's measured peaks (make rehearse; docs/scaling.md has the errors).
 
 The model dims come from params, never the hub: model.tiny for "tiny", a local directory's config.json, or
 KNOWN_ARCHITECTURES for a hub id (Qwen/Qwen3-0.6B: the table gpu_check_setup builds its stand-in from).
@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 from .gpu_check_setup import QWEN3_0_6B, ROOT
@@ -179,21 +180,47 @@ def model_state_bytes(recipe: Recipe, phase: Phase) -> int:
     return frozen_bytes + weights + 3 * trainable * trainable_bytes // recipe.processes  # gradient + 2 moments
 
 
-def gathered_for_generation(recipe: Recipe) -> int:
-    """Under ZeRO-3, TRL samples GRPO's completions inside unwrap_model_for_generation, which gathers every
-    parameter (ds3_gather_for_generation, its default): each process holds, for the length of generation, the
-    weights other processes own, in the model's dtype.
+def saved_copy_bytes(recipe: Recipe) -> int:
+    """Saving under DeepSpeed copies the whole state dict to host memory before PEFT keeps only the adapter:
+    accelerate's get_state_dict clones every tensor (deepspeed.checkpoint.utils.clone_tensors_for_torch_save; ZeRO-2:
+    each process) or gathers them (ZeRO-3 with zero3_save_16bit_model: the main process), the tied embedding once per
+    key. Found by probe_live_tensors.py under ZeRO-2: the save, not the step, was each process's peak.
 
     Args:
-        recipe: zero_stage, processes, precision, gather_for_generation.
+        recipe: zero_stage, precision.
 
     Returns:
-        Bytes per process beyond its own share.
+        Bytes of the copy (0 without DeepSpeed: the Trainer saves the adapter from the model itself).
     """
-    if recipe.zero_stage != 3 or not recipe.gather_for_generation:
+    if recipe.zero_stage not in (2, 3):
         return 0
-    weights = matmul_parameters(recipe.dims) * BYTES_PER_VALUE[recipe.precision]
-    return weights - weights // recipe.processes
+    state_dict = matmul_parameters(recipe.dims) + recipe.dims["vocab_size"] * recipe.dims["hidden_size"]
+    return state_dict * BYTES_PER_VALUE[recipe.precision]
+
+
+def gathered_weights(recipe: Recipe, training: bool) -> int:
+    """Under ZeRO-3 a gathered parameter is a new full-size tensor beside the process's own shard. TRL samples GRPO's
+    completions inside unwrap_model_for_generation, which gathers every parameter (ds3_gather_for_generation, its
+    default). In training, once DeepSpeed has traced a step, it keeps a gathered parameter that is used again within
+    max_reuse_distance parameters, up to max_live_parameters (DeepSpeed's defaults, which accelerate's config keeps:
+    1e9 each), so from the second step every parameter of a model under 1B stays gathered.
+
+    Args:
+        recipe: zero_stage, precision, gather_for_generation, dims.
+        training: the training step's gathered parameters (else sampling's).
+
+    Returns:
+        Bytes per process beyond its own shard.
+    """
+    if recipe.zero_stage != 3 or not (training or recipe.gather_for_generation):
+        return 0
+    total = matmul_parameters(recipe.dims)
+    if training:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        config = DeepSpeedZeroConfig(stage=3)
+        total = min(total, config.max_live_parameters, config.max_reuse_distance)
+    return total * BYTES_PER_VALUE[recipe.precision]
 
 
 def reduce_bucket_bytes(recipe: Recipe, phase: Phase) -> int:
@@ -316,21 +343,28 @@ def kv_cache_bytes(dims: dict, batch: int, tokens: int, precision: str) -> int:
 
 def plan(recipe: Recipe) -> dict:
     """The predicted peak bytes per process of SFT and of GRPO, by component. GRPO samples (KV cache; under ZeRO-3
-    the whole model gathered), then trains (activations): the peak is the model states plus the larger of the two.
+    the whole model gathered), then trains (activations; under ZeRO-3 the parameters DeepSpeed keeps gathered); both
+    save at the end (saved_copy, in host memory: part of
+    the peak only where host memory is the device's, the CPU). The peak is the model states plus the largest of these.
 
     Args:
         recipe: the recipe.
 
     Returns:
-        {"sft": {"model_states", "reduce_bucket", "activations", "total"}, "grpo": {"model_states",
-        "reduce_bucket", "reference_model", "kv_cache", "gathered_weights", "activations", "total"}, "vllm_share"}.
+        {"sft": {"model_states", "reduce_bucket", "activations", "gathered_weights", "saved_copy", "total"},
+        "grpo": {"model_states", "reduce_bucket", "reference_model", "kv_cache", "gathered_for_sampling",
+        "activations", "gathered_weights", "saved_copy", "total"}, "vllm_share"}.
     """
+    on_device = {"cpu": 1, "gpu": 0}[recipe.device]  # the save's copy is in host memory
     sft = {
         "model_states": model_state_bytes(recipe, recipe.sft),
         "reduce_bucket": reduce_bucket_bytes(recipe, recipe.sft),
+        "activations": activation_bytes(recipe.dims, recipe.sft, recipe.precision, recipe.device),
+        "gathered_weights": gathered_weights(recipe, training=True),
+        "saved_copy": saved_copy_bytes(recipe),
     }
-    sft["activations"] = activation_bytes(recipe.dims, recipe.sft, recipe.precision, recipe.device)
-    sft["total"] = sft["model_states"] + sft["reduce_bucket"] + sft["activations"]
+    training = sft["activations"] + sft["gathered_weights"]
+    sft["total"] = sft["model_states"] + sft["reduce_bucket"] + max(training, on_device * sft["saved_copy"])
     split = recipe.processes if recipe.zero_stage == 3 else 1
     reference = matmul_parameters(recipe.dims) * BYTES_PER_VALUE[recipe.precision] // split
     grpo = {
@@ -340,11 +374,15 @@ def plan(recipe: Recipe) -> dict:
         "kv_cache": 0
         if recipe.vllm_share
         else kv_cache_bytes(recipe.dims, recipe.grpo.batch, recipe.generation_tokens, recipe.precision),
+        "gathered_for_sampling": 0 if recipe.vllm_share else gathered_weights(recipe, training=False),
         "activations": activation_bytes(recipe.dims, recipe.grpo, recipe.precision, recipe.device),
+        "gathered_weights": gathered_weights(recipe, training=True),
+        "saved_copy": saved_copy_bytes(recipe),
     }
-    grpo["gathered_weights"] = gathered_for_generation(recipe) if not recipe.vllm_share else 0
     states = grpo["model_states"] + grpo["reduce_bucket"] + grpo["reference_model"]
-    grpo["total"] = states + max(grpo["kv_cache"] + grpo["gathered_weights"], grpo["activations"])
+    sampling = grpo["kv_cache"] + grpo["gathered_for_sampling"]
+    training = grpo["activations"] + grpo["gathered_weights"]
+    grpo["total"] = states + max(sampling, training, on_device * grpo["saved_copy"])
     return {"sft": sft, "grpo": grpo, "vllm_share": recipe.vllm_share}
 
 
@@ -641,7 +679,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.2, help="with --against: the largest error that passes")
     args = ap.parse_args(argv)
     if args.against:
-        return print_against(args.against, args.tolerance)
+        try:
+            return print_against(args.against, args.tolerance)
+        except (OSError, ValueError) as e:  # a missing or foreign file: say which, without a traceback
+            print(f"memory_plan --against: {e}", file=sys.stderr)
+            return 2
     recipes = args.recipes or [None, *sorted((ROOT / "configs/recipes").glob("*.yaml"))]
     print(f"Predicted peak memory per process ({args.device}; every sequence at its maximum length, GRPO prompts of "
           f"{args.prompt_tokens} tokens; a GPU keeps {CUDA_RESERVE_BYTES / GB:.0f} GB for CUDA):")  # fmt: skip
