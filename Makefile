@@ -218,7 +218,8 @@ bench-tools: setup-openenv ## the tool loop vs plain generate, the decode ceilin
 	python scripts/bench.py --tools-only
 
 # Predicted peak memory per process of SFT and GRPO for params.yaml and configs/recipes/*.yaml (DeepSpeed's
-# estimators + activations, LM head tiles and KV cache from the model's dims), and the GPU size each fits
+# estimators + activations, LM head tiles and KV cache from the model's dims), and the GPU size each fits.
+# ARGS="--against docs/rehearsal/gpu_check.json": the plan against the CPU rehearsal's measured peaks
 .PHONY: memory-plan
 memory-plan: setup ## peak GPU memory per process of SFT and GRPO, per recipe and ZeRO stage
 	python scripts/memory_plan.py $(ARGS)
