@@ -344,8 +344,8 @@ def kv_cache_bytes(dims: dict, batch: int, tokens: int, precision: str) -> int:
 def plan(recipe: Recipe) -> dict:
     """The predicted peak bytes per process of SFT and of GRPO, by component. GRPO samples (KV cache; under ZeRO-3
     the whole model gathered), then trains (activations; under ZeRO-3 the parameters DeepSpeed keeps gathered); both
-    save at the end (saved_copy, in host memory: part of
-    the peak only where host memory is the device's, the CPU). The peak is the model states plus the largest of these.
+    save at the end (saved_copy, in host memory: part of the peak only where host memory is the device's, the CPU).
+    The peak is the model states plus the largest of these.
 
     Args:
         recipe: the recipe.
@@ -632,8 +632,8 @@ def against_run(path: Path) -> list[dict]:
         recipe = recipe_from_params(inputs, row["path"], "cpu", inputs["prompt_tokens"], dims=inputs["dims"])
         planned = plan(recipe)
         measured = row["peak_rss_bytes"] - inputs["baseline_bytes"]
-        error = relative_error(planned, {inputs["phase"]: measured})[inputs["phase"]]
         phase = inputs["phase"]
+        error = relative_error(planned, {phase: measured})[phase]
         checked.append(dict(path=row["path"], phase=phase, planned=planned[phase], measured=measured, error=error))
     return checked
 
