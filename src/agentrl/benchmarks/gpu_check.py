@@ -408,7 +408,7 @@ class Check:
         Returns:
             A line for the header (the largest error), or [] when nothing was compared.
         """
-        from .memory_plan import plan, recipe_from_params, relative_error
+        from .memory_plan import against_measured, dims_for
 
         base = next((r["peak_rss_bytes"] for r in self.rows if r["path"] == BASELINE and r["status"] == "ok"), None)
         info = self.metric("gpu_check_stand_in")
@@ -422,18 +422,20 @@ class Check:
                 continue
             phase, over = self.planned[row["path"]]
             tree = self.params_with({**over, **lengths})
-            recipe = recipe_from_params(tree, row["path"], "cpu", info["longest_prompt_tokens"])
-            predicted = plan(recipe)
-            measured = row["peak_rss_bytes"] - base
-            error = relative_error(predicted, {phase: measured})[phase]
-            # what the plan read, so that a revised plan can be checked against this run (memory_plan --against)
+            # what the plan reads, kept in the row so that a revised plan can be checked against this run
+            # (memory_plan --against)
             plan_inputs = {k: tree[k] for k in ("model", "sft", "grpo", "distributed")}
             plan_inputs.update(
-                phase=phase, dims=recipe.dims, prompt_tokens=info["longest_prompt_tokens"], baseline_bytes=base
+                phase=phase,
+                dims=dims_for(tree["model"])[0],
+                prompt_tokens=info["longest_prompt_tokens"],
+                baseline_bytes=base,
             )
-            row.update(plan_bytes=predicted[phase]["total"], plan_error=error, plan_inputs=plan_inputs)
+            checked = against_measured(plan_inputs, row["path"], row["peak_rss_bytes"])
+            planned, measured, error = checked["planned"]["total"], checked["measured"], checked["error"]
+            row.update(plan_bytes=planned, plan_error=error, plan_inputs=plan_inputs)
             row["note"] += (
-                f"; memory plan {predicted[phase]['total'] / 2**30:.2f} GiB vs measured {measured / 2**30:.2f} GiB "
+                f"; memory plan {planned / 2**30:.2f} GiB vs measured {measured / 2**30:.2f} GiB "
                 f"(peak RSS - baseline): {error:+.0%}"
             )
             errors.append(error)

@@ -119,6 +119,21 @@ def lora_parameters(dims: dict, r: int, modules) -> int:
     return dims["num_hidden_layers"] * sum(r * sum(shapes[m]) for m in names)
 
 
+def trainable_parameters(dims: dict, phase: Phase) -> int:
+    """The parameters a phase's optimizer updates: the LoRA adapters', or every weight for full fine-tuning.
+
+    Args:
+        dims: model_dims' dict.
+        phase: its LoRA rank and modules (rank None: full fine-tuning).
+
+    Returns:
+        The count.
+    """
+    if phase.lora_r is None:
+        return matmul_parameters(dims)
+    return lora_parameters(dims, phase.lora_r, phase.lora_modules)
+
+
 def _deepspeed_states(trainable: int, largest_layer: int, recipe: Recipe) -> int:
     """DeepSpeed's estimate of the GPU bytes of `trainable` parameters' 16-bit weights, gradients, fp32 master
     weights and Adam states per process (ZeRO-2 or ZeRO-3, one node).
@@ -164,10 +179,8 @@ def model_state_bytes(recipe: Recipe, phase: Phase) -> int:
     dims, p = recipe.dims, BYTES_PER_VALUE[recipe.precision]
     total = matmul_parameters(dims)  # tied embeddings: the LM head is the embedding, counted once
     largest_layer = dims["vocab_size"] * dims["hidden_size"]
-    if phase.lora_r is None:
-        trainable, frozen, trainable_bytes = total, 0, p
-    else:
-        trainable, frozen, trainable_bytes = lora_parameters(dims, phase.lora_r, phase.lora_modules), total, 4
+    trainable = trainable_parameters(dims, phase)
+    frozen, trainable_bytes = (0, p) if phase.lora_r is None else (total, 4)
     split = recipe.processes if recipe.zero_stage == 3 else 1
     frozen_bytes = frozen * p // split
     if recipe.zero_stage in (2, 3) and recipe.precision != "fp32":
@@ -242,12 +255,7 @@ def reduce_bucket_bytes(recipe: Recipe, phase: Phase) -> int:
 
     bucket = DeepSpeedZeroConfig(stage=recipe.zero_stage).reduce_bucket_size
     if recipe.device == "cpu":
-        trainable = (
-            matmul_parameters(recipe.dims)
-            if phase.lora_r is None
-            else lora_parameters(recipe.dims, phase.lora_r, phase.lora_modules)
-        )
-        bucket = min(bucket, trainable)
+        bucket = min(bucket, trainable_parameters(recipe.dims, phase))
     return bucket * BYTES_PER_VALUE[recipe.precision]
 
 
@@ -611,6 +619,25 @@ def report(recipe: Recipe) -> list[str]:
     return lines
 
 
+def against_measured(inputs: dict, name: str, peak_rss_bytes: int) -> dict:
+    """The plan of one measured training row against its peak RSS less the baseline's.
+
+    Args:
+        inputs: what the plan reads (a row's plan_inputs: params' model, sft, grpo and distributed sections, phase,
+            dims, prompt_tokens, baseline_bytes).
+        name: the row.
+        peak_rss_bytes: its measured peak.
+
+    Returns:
+        {"path", "phase", "planned" (the phase's plan by component), "measured", "error"}.
+    """
+    phase = inputs["phase"]
+    planned = plan(recipe_from_params(inputs, name, "cpu", inputs["prompt_tokens"], dims=inputs["dims"]))
+    measured = peak_rss_bytes - inputs["baseline_bytes"]
+    error = relative_error(planned, {phase: measured})[phase]
+    return dict(path=name, phase=phase, planned=planned[phase], measured=measured, error=error)
+
+
 def against_run(path: Path) -> list[dict]:
     """This plan against a past rehearsal's measured peaks (gpu_check.json: each training row keeps what the plan
     read, plan_inputs), so that a revised plan is checked without measuring again.
@@ -619,23 +646,14 @@ def against_run(path: Path) -> list[dict]:
         path: a gpu_check.json written on the CPU.
 
     Returns:
-        One dict per planned row: path, phase, planned and measured bytes (peak RSS less the baseline row's), error.
+        against_measured's dict for each planned row.
     """
     rows = [r for r in json.loads(Path(path).read_text())["rows"] if r.get("plan_inputs")]
     if not rows:
         raise ValueError(
             f"{path}: no row has plan_inputs (a CPU rehearsal's gpu_check.json has them on its training rows)"
         )
-    checked = []
-    for row in rows:
-        inputs = row["plan_inputs"]
-        recipe = recipe_from_params(inputs, row["path"], "cpu", inputs["prompt_tokens"], dims=inputs["dims"])
-        planned = plan(recipe)
-        measured = row["peak_rss_bytes"] - inputs["baseline_bytes"]
-        phase = inputs["phase"]
-        error = relative_error(planned, {phase: measured})[phase]
-        checked.append(dict(path=row["path"], phase=phase, planned=planned[phase], measured=measured, error=error))
-    return checked
+    return [against_measured(r["plan_inputs"], r["path"], r["peak_rss_bytes"]) for r in rows]
 
 
 def print_against(path: Path, tolerance: float) -> int:
