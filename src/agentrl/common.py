@@ -78,7 +78,7 @@ _EVAL_HEADLINE = (
 )
 HEADLINE: dict[str, tuple[str, ...]] = {
     "prepare": ("written", "tool_solution_share", "test_ceiling"),
-    "base": ("parameters", "pretrain.final_loss"),
+    "base": ("parameters", "pretrain.final_loss", "revision", "gguf_file_type"),  # the last two: GGUF base models
     "sft_train": ("final_loss", "steps"),
     "grpo_train": ("reward_last", "reward_mean_last_20pct", "tool_use_rate_last", "steps"),
     "compare": (

@@ -281,6 +281,12 @@ class ModelParams(Strict):
 
     @model_validator(mode="after")
     def _fits_machine(self) -> "ModelParams":
+        # a GGUF file (gguf_files.py) is pinned by its content: a different file changes this param and re-runs base
+        if self.base_model.endswith(".gguf") and not re.fullmatch(r"sha256:[0-9a-f]{64}", self.revision):
+            raise ValueError(
+                f"model.revision: a GGUF base model is pinned by its content, 'sha256:<64 lowercase hex digits>', got "
+                f"{self.revision!r} (`python -m agentrl.gguf_files {self.base_model}` prints the file's)"
+            )
         check_model_fits(self)
         return self
 
@@ -351,6 +357,8 @@ class ExportParams(Strict):
     quantize: Literal["none", "int8"]  # bitsandbytes on CUDA, torch dynamic int8 on CPU (stages/quantize.py)
     max_abs_logit_diff: float = Field(gt=0, le=1e6)
     num_verify_prompts: int = Field(ge=1, le=100_000)
+    # the merged model also as GGUF files (models/gguf/model-<type>.gguf), read back and checked: [] | f32, f16, q8_0
+    gguf: list[Literal["f32", "f16", "q8_0"]]
 
 
 class ServeParams(Strict):

@@ -103,6 +103,11 @@ def _cell(value: object) -> str:
     return "(absent)" if value is MISSING else f"`{json.dumps(value, default=str)}`"
 
 
+def declared_diagnostics(metrics: list[str]) -> list[str]:
+    """The diagnostics/<name>.json beside each declared metrics file (stage times, peak RSS, details)."""
+    return [str(Path("diagnostics") / Path(m).name) for m in metrics]
+
+
 def experiment_files(experiment: str, out_dir: Path, commit: str, base: str, metrics: list[str]) -> dict[str, str]:
     """The text of every file the copy writes, by name: the declared metrics as the experiment committed them, and
     experiment.md.
@@ -125,12 +130,18 @@ def experiment_files(experiment: str, out_dir: Path, commit: str, base: str, met
             raise SystemExit(
                 f"{path}: declared in dvc.yaml but not in experiment commit {commit[:10]} (did its stage run?)"
             ) from None
-        texts[Path(path).name] = json.dumps(data, indent=2) + "\n"
+        texts[path.removeprefix("metrics/")] = json.dumps(data, indent=2) + "\n"
     rows = "".join(f"| `{k}` | {_cell(old)} | {_cell(new)} |\n" for k, old, new in changed_params(base, commit))
+    made_by = (
+        f"make real REAL={experiment.removeprefix('real-')}"
+        if experiment.startswith("real-")
+        else f"make env ENV={experiment.removeprefix('env-')}"
+    )
+    flags = "--diagnostics " if any(p.startswith("diagnostics/") for p in metrics) else ""
     texts["experiment.md"] = (
         f"# {experiment}\n\nMetrics of the experiment `{experiment}` (commit {commit[:10]} on {base[:10]}), "
-        f"copied by `python scripts/env_results.py {experiment} {out_dir}` after "
-        f"`make env ENV={experiment.removeprefix('env-')}`.\n\nThe params it changed (params.yaml, by value):\n\n"
+        f"copied by `python scripts/env_results.py {flags}{experiment} {out_dir}` after "
+        f"`{made_by}`.\n\nThe params it changed (params.yaml, by value):\n\n"
         f"| key | baseline | this experiment |\n|---|---|---|\n{rows}"
     )
     return texts
@@ -160,11 +171,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("experiment")
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--force", action="store_true", help="replace files of another run in out_dir (listed)")
+    ap.add_argument(
+        "--diagnostics", action="store_true", help="also the stages' diagnostics (times, peak RSS): OUT_DIR/diagnostics"
+    )
     args = ap.parse_args(argv)
     ref = exp_ref(args.experiment)
     commit = git("rev-parse", ref).strip()
     base = git("rev-parse", f"{commit}^").strip()
-    texts = experiment_files(args.experiment, args.out_dir, commit, base, declared_metrics())
+    files = declared_metrics()
+    files += declared_diagnostics(files) if args.diagnostics else []
+    texts = experiment_files(args.experiment, args.out_dir, commit, base, files)
     replaced = files_it_would_replace(args.out_dir, texts)
     if replaced and not args.force:
         raise SystemExit(
@@ -175,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
+        (args.out_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (args.out_dir / name).write_text(text)
     if replaced:
         print(f"replaced (--force): {', '.join(replaced)}", file=sys.stderr)

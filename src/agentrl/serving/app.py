@@ -41,9 +41,14 @@ def _settings() -> tuple[str, ServeParams, AgentParams, ModelParams, dict]:
 
 
 def check_model_dir(path: str) -> None:
-    """The server serves a local model directory only: a missing one is named, never looked up on the hub."""
+    """The server serves a local model directory or GGUF file only: a missing one is named, never looked up on the
+    hub."""
     source = "AGENTRL_MODEL_PATH" if "AGENTRL_MODEL_PATH" in os.environ else "serve.model_path"
     directory = Path(path)
+    if path.endswith(".gguf"):  # a GGUF file (export.gguf writes models/gguf/model-<type>.gguf)
+        if not directory.is_file():
+            raise FileNotFoundError(f"{source}={path}: GGUF file not found (export.gguf writes models/gguf/)")
+        return
     if not directory.is_dir():
         raise FileNotFoundError(
             f"{source}={path}: model directory not found (run `dvc repro export` for "

@@ -18,6 +18,7 @@ import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -184,8 +185,17 @@ class Engine:
     ):
         self.path, self.cfg = model_path, cfg
         # two tokenizer objects: requests are encoded on the tokenizer thread while the model thread decodes
-        self.encoder, self.tokenizer = load_tokenizer(model_path), load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype).to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        if str(model_path).endswith(".gguf"):  # export.gguf's file (or any Llama GGUF): dequantized by transformers
+            import copy
+
+            from ..gguf_files import load_plain
+
+            model, self.tokenizer = load_plain(Path(model_path))
+            self.encoder, model = copy.deepcopy(self.tokenizer), model.to(dtype)
+        else:
+            self.encoder, self.tokenizer = load_tokenizer(model_path), load_tokenizer(model_path)
+            model = load_model(model_path, dtype)
+        self.model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
         self.context = int(getattr(self.model.config, "max_position_embeddings", 4096))
         # the most characters one token of plain text spells (its vocabulary string is at least as long; added
         # tokens never come out of a content): more than context x this many characters cannot fit (check_cost)

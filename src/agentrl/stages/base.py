@@ -6,6 +6,9 @@
   their solutions, plus arithmetic facts ("13+18=31"). It never sees a worked solution, the chat
   format or a '####' answer line, so its accuracy is ~0; SFT then teaches the task. Without this
   pretraining a from-scratch model has nothing for LoRA to adapt (see README).
+* a GGUF file (`path.gguf` or `package==version:file.gguf`, pinned by `model.revision: sha256:...`; see
+  gguf_files.py): dequantized by transformers into a plain fp32 model, e.g. SmolLM2-135M-Instruct
+  (configs/recipes/smollm2-135m-*.yaml).
 * a hub id (e.g. Qwen/Qwen3-0.6B): `from_pretrained` at `model.revision`; the resolved commit is
   written to metrics/base.json so dvc.lock pins it.
 """
@@ -29,6 +32,7 @@ from ..common import (
 )
 from ..config import Params, load_params_or_exit
 from ..data import MULTIPLIER_MAX, load_jsonl
+from ..gguf_files import GgufError, is_gguf
 from ..modeling import (
     STAGE_DIRS,
     bake_chat_template_kwargs,
@@ -246,6 +250,40 @@ def from_hub(params: Params) -> dict:
     }
 
 
+def from_gguf(params: Params) -> dict:
+    """The base stage for a GGUF file (gguf_files: a path or package==version:file, pinned by sha256 in
+    model.revision): read through transformers, saved to models/base as a plain model (safetensors, tokenizer,
+    chat template), with the file's kind of tokenizer kept for `export.gguf`.
+
+    Returns:
+        metrics/base.json: the file, its sha256, architecture, file type, tensor types and the parameter count.
+    """
+    import json
+
+    from .. import gguf_files
+
+    name, pin = params.model.base_model, params.model.revision
+    path, info = gguf_files.open_pinned(name, pin)
+    log.info("reading %s (%s, %s, %s)", path, info["architecture"], info["file_type"], info["sha256"][:19])
+    model, tokenizer = gguf_files.load_plain(path)
+    tokenizer = bake_chat_template_kwargs(tokenizer, params.model.chat_template_kwargs)
+    model = model.to(torch_dtype(params.model.precision))
+    out = STAGE_DIRS["base"]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / gguf_files.SOURCE_RECORD).write_text(json.dumps({"file": name, **info}, indent=2, default=str) + "\n")
+    return {
+        "base_model": name,
+        "gguf_file": path.name,
+        "revision": info["sha256"],
+        "architecture": info["architecture"],
+        "gguf_file_type": info["file_type"],
+        "gguf_tensor_types": info["tensor_types"],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer),
+    }
+
+
 def load_tokenizer_hub(name: str, revision: str):
     """A hub tokenizer at a revision.
 
@@ -264,7 +302,16 @@ def main() -> None:
     params = load_params_or_exit()
     t0 = time.time()
     log.info("device precision: %s", resolve_precision(params.model.precision))
-    info = build_tiny(params) if params.model.base_model == "tiny" else from_hub(params)
+    if params.model.base_model == "tiny":
+        info = build_tiny(params)
+    elif is_gguf(params.model.base_model):
+        try:
+            info = from_gguf(params)
+        except GgufError as error:  # a user's file or pin: one line naming it, no traceback
+            log.error("%s", error)
+            raise SystemExit(1) from None
+    else:
+        info = from_hub(params)
     info["runtime_s"] = round(time.time() - t0, 2)
     load_tokenizer(STAGE_DIRS["base"])  # fail here, not downstream, if the saved tokenizer is unusable
     info["peak_rss_mb"] = peak_rss_mb()

@@ -207,6 +207,11 @@ def _base_model_line(params: Params, base: dict) -> str:
             f"{base.get('vocab_size', '?')}) with its own "
             f"tokenizer, built and pre-trained locally by the `base` stage (no hub download)"
         )
+    if params.model.base_model.endswith(".gguf"):
+        return (
+            f"the GGUF file `{params.model.base_model}` ({base.get('gguf_file_type', '?')}, `{params.model.revision}`), "
+            f"dequantized to a {base.get('parameters', '?'):,}-parameter fp32 model by transformers"
+        )
     hub_id, resolved = params.model.base_model, base.get("resolved_commit")
     return f"[`{hub_id}`](https://huggingface.co/{hub_id}) at revision `{params.model.revision}`" + (
         f" (resolved commit `{resolved}`)" if resolved else ""
@@ -423,6 +428,31 @@ def _how_it_was_made(info: dict) -> str:
 - **Weights:** digest `{info["merged_digest"]}` of the files of `models/merged` (`agentrl.common.model_files_digest`)."""
 
 
+def _gguf_section(gguf: dict) -> str:
+    """How to run the GGUF files export wrote (export.gguf), with their round-trip check; empty without any."""
+    if not gguf:
+        return ""
+    rows = "\n".join(
+        f"- `{g['file']}` ({kind}, {g['bytes'] / 1e6:.0f} MB): read back through transformers, greedy completions "
+        f"identical to the merged model's on {g['greedy_identical_count']}/{g['num_prompts']} held-out prompts"
+        for kind, g in gguf.items()
+    )
+    first = next(iter(gguf.values()))["file"]
+    return f"""As GGUF, for llama.cpp, Ollama and LM Studio (`export.gguf`):
+
+{rows}
+
+```bash
+llama-cli -m {first} -cnv          # llama.cpp, its chat template from the file
+printf 'FROM ./{first}\\n' > Modelfile && ollama create agentrl -f Modelfile && ollama run agentrl
+make serve MODEL={first}           # this project's OpenAI-compatible server reads the GGUF too
+```
+
+The calculator is the project's tool loop (`agent.*` params), not part of the file: another runtime gets the model's
+text, `<<48/2=` included, and has to supply the result itself.
+"""
+
+
 def render(info: dict) -> str:
     """The card's text: YAML metadata (ModelCardData) + a markdown body.
 
@@ -479,6 +509,7 @@ curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \
   -d '{{"messages": [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]}}'
 ```
 
+{_gguf_section(metrics["export"].get("gguf") or {})}
 From the hub (after `make publish REPO_ID=<user>/<name>`): `huggingface-cli download <user>/<name> --local-dir merged`,
 then `make serve MODEL=merged`, or `AutoModelForCausalLM.from_pretrained("<user>/<name>")` with the tokenizer's
 chat template ({system}). Serve it with the `agent:` params it was trained with.

@@ -5,6 +5,11 @@ tokenizer, generation config), loadable by plain AutoModelForCausalLM without PE
 verified by reloading models/merged/ and comparing its logits with the unmerged adapter model on a
 fixed prompt set, and its greedy completions; the stage fails when they differ.
 
+With `export.gguf` (f32, f16, q8_0), the merged model is also written as GGUF files to models/gguf/ with gguf's
+writer, for llama.cpp, Ollama and LM Studio; each is read back through transformers and its greedy completions on
+the verify prompts compared with the merged model's: an f32 file must agree on every prompt (else the stage fails),
+f16 and q8_0 round the weights, so how many agree is recorded (metrics/export.json `gguf`).
+
 Stage `eval_quantized` (python -m agentrl.stages.export --quantized-eval): evaluates models/merged in full
 precision and int8 (export.quantize: bitsandbytes on CUDA, torch dynamic int8 on CPU; quantize.py is
 the one int8 path, also behind `evaluate --quantize int8`) through the normal evaluation code and records
@@ -14,11 +19,13 @@ the accuracy delta, the backend and the measured speed ratio in metrics/quantize
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
 import torch
 
+from .. import gguf_files
 from ..common import get_logger, peak_rss_mb, write_metrics
 from ..config import Params, load_params_or_exit
 from ..data import load_jsonl
@@ -28,6 +35,7 @@ from .quantize import int8_backend, load_quantized
 
 log = get_logger("export")
 METRICS = "metrics/export.json"
+GGUF_DIR = Path("models/gguf")
 
 
 class ExportVerificationError(RuntimeError):
@@ -91,8 +99,18 @@ def export(params: Params) -> dict:
         "parameters": sum(p.numel() for p in reloaded.parameters()),
         "passed": diff <= params.export.max_abs_logit_diff and same == len(prompts),
     }
+    if metrics["passed"] and (written := export_gguf(reloaded, load_tokenizer(out_dir), prompts, new_text, params)):
+        metrics["gguf"] = written
+        metrics["passed"] = all(g["passed"] for g in written.values())
     metrics["peak_rss_mb"] = peak_rss_mb()
     write_metrics(METRICS, metrics)
+    if metrics.get("gguf") and not metrics["passed"]:
+        failed = {
+            k: f"{g['greedy_identical_count']}/{g['num_prompts']}"
+            for k, g in metrics["gguf"].items()
+            if not g["passed"]
+        }
+        raise ExportVerificationError(f"GGUF round trip failed (greedy completions identical: {failed}); see {METRICS}")
     if not metrics["passed"]:
         raise ExportVerificationError(
             f"merge verification failed: max |logit diff| {diff:.3g} (tolerance {params.export.max_abs_logit_diff:g}), "
@@ -102,6 +120,48 @@ def export(params: Params) -> dict:
         "merged model saved to %s; max |logit diff| %.2e, greedy identical %d/%d", out_dir, diff, same, len(prompts)
     )
     return metrics
+
+
+def export_gguf(merged, tokenizer, prompts: list, merged_text: list[str], params: Params) -> dict:
+    """models/gguf/model-<type>.gguf for each type in export.gguf, each read back through transformers and checked
+    against the merged model's greedy completions; with none asked for, models/gguf/SKIPPED.txt says why it is empty.
+
+    Returns:
+        {type: {file, bytes, sha256, tensor types, greedy agreement, passed}}; an f32 file passes only when every
+        completion is identical, f16/q8_0 round the weights and always pass with their agreement recorded.
+    """
+    if GGUF_DIR.exists():
+        shutil.rmtree(GGUF_DIR)
+    GGUF_DIR.mkdir(parents=True)
+    if not params.export.gguf:
+        (GGUF_DIR / "SKIPPED.txt").write_text("export.gguf is [] (no GGUF files asked for)\n")
+        return {}
+    source = STAGE_DIRS["base"] / gguf_files.SOURCE_RECORD
+    tokenizer_kind = json.loads(source.read_text()).get("tokenizer", {}) if source.exists() else {}
+    results = {}
+    for out_type in params.export.gguf:
+        path = GGUF_DIR / f"model-{out_type}.gguf"
+        written = gguf_files.write_gguf(merged, tokenizer, path, out_type, "agentrl merged", tokenizer_kind)
+        model, gguf_tok = gguf_files.load_plain(path)
+        text = [s[0][0] for s in generate(model, gguf_tok, prompts, len(prompts), params.eval.max_new_tokens)]
+        same = sum(a == b for a, b in zip(merged_text, text))
+        results[out_type] = {
+            "file": str(path),
+            **written,
+            "sha256": gguf_files.sha256(path),
+            "greedy_identical_count": same,
+            "num_prompts": len(prompts),
+            "passed": same == len(prompts) or out_type != "f32",
+        }
+        log.info(
+            "%s: %.1f MB, greedy completions identical to the merged model's on %d/%d",
+            path,
+            written["bytes"] / 1e6,
+            same,
+            len(prompts),
+        )
+        del model
+    return results
 
 
 def quantized_eval(params: Params) -> dict:
