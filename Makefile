@@ -72,10 +72,13 @@ $(GGUF_STAMP): requirements-gguf.txt requirements.txt
 
 # A real pretrained model (docs/real-model.md): REAL=smollm2-135m-calculator (the generated task, needs nothing else)
 # or smollm2-135m-gsm8k (real GSM8K from ../shared/data/gsm8k/train.jsonl) from configs/recipes/<REAL>.yaml, as the
-# experiment real-<REAL> in a temporary workspace, then its metrics and diagnostics copied to docs/real/<REAL>/.
+# experiment real-<REAL> in a temporary workspace, then its metrics and diagnostics copied to docs/real/<REAL>/. The
+# GSM8K recipe's inputs/gsm8k/ split (scripts/gsm8k_holdout.py) is written for the experiment and removed after it.
 REAL ?= smollm2-135m-calculator
 real: setup-gguf ## SmolLM2-135M-Instruct from its GGUF, SFT + GRPO on the CPU (REAL=smollm2-135m-calculator|..-gsm8k)
-	python scripts/recipe.py run configs/recipes/$(REAL).yaml -- --temp --name real-$(REAL) $(DVC_EXP_ARGS)
+	$(if $(findstring gsm8k,$(REAL)),python scripts/gsm8k_holdout.py)
+	python scripts/recipe.py run configs/recipes/$(REAL).yaml -- --temp --name real-$(REAL) $(DVC_EXP_ARGS); \
+	  status=$$?; rm -rf inputs/gsm8k; exit $$status  # the split rides in the experiment; the default's inputs/ stays
 	python scripts/env_results.py --diagnostics real-$(REAL) docs/real/$(REAL)
 
 repro: setup ## set-up, then the whole DVC pipeline (dvc repro)
@@ -234,6 +237,12 @@ bench: setup ## benchmarks: step times, memory, tool loop, serving (metrics/benc
 
 # The tool loop's figures: loop vs plain generate and the bare-decode ceiling, GRPO step with tools, and the chat
 # format through our loop vs TRL's environment_factory loop: metrics/bench_tools.json, BENCHMARKS-tools.md
+# SmolLM2-135M-Instruct (make real's model) decoding at batch 1, 16, 64 with model.generate and the forward loop,
+# each against the roofline measured in the same run (GEMM peak, read bandwidth): BENCHMARKS-real.md
+.PHONY: bench-real
+bench-real: setup-gguf ## SmolLM2 decoding vs this machine's roofline (BENCHMARKS-real.md)
+	python scripts/bench_real.py
+
 bench-tools: setup-openenv ## the tool loop vs plain generate, the decode ceiling and TRL's env loop
 	python scripts/bench.py --tools-only
 

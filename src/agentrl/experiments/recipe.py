@@ -7,11 +7,17 @@ non-mapping value) replacing that key of params.yaml.
 
 Every application goes through DVC's own override code (dvc.utils.hydra / agentrl.experiments.overrides.apply),
 so params.yaml reads exactly as `dvc exp run -S` would have written it. scripts/recipe.py is the command line.
+The GSM8K recipe's inputs (its held-out slice of GSM8K's train split) are made here too (GSM8K_HOLDOUT_DOC,
+scripts/gsm8k_holdout.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -192,3 +198,71 @@ def apply_in_place(
     finally:
         Path(scratch).unlink(missing_ok=True)
     return changes
+
+
+# ------------------------------------------------------------------ the GSM8K recipe's held-out slice
+GSM8K_HOLDOUT_DOC = """The real-GSM8K recipe's inputs (configs/recipes/smollm2-135m-gsm8k.yaml): GSM8K's train split,
+MIT-licensed, from ../shared/data/gsm8k/train.jsonl (7,473 rows; no hub here), split into a fixed held-out slice that
+training never sees and the rows training may use, both written to inputs/gsm8k/ (inputs/ is a dependency of
+`prepare`, so a changed source re-runs the pipeline):
+
+    python scripts/gsm8k_holdout.py [--source FILE] [--holdout 500] [--seed 0]     # `make real REAL=smollm2-135m-gsm8k`
+
+The slice is drawn by `--seed` from the source's rows, so the same file gives the same slice; inputs/gsm8k/source.json
+records the source's sha256, its row count and the split. GSM8K's own test split would be the usual held-out set; it
+is not on this machine, so the slice of train stands in for it (the model card's 1.4% is on the test split).
+"""
+GSM8K_SOURCE = Path("../shared/data/gsm8k/train.jsonl")
+GSM8K_OUT_DIR = Path("inputs/gsm8k")
+
+
+def read_gsm8k_rows(source: Path) -> list[str]:
+    """The source's lines, each checked to be a JSON object with string `question` and `answer` (GSM8K's form)."""
+    if not source.is_file():
+        raise SystemExit(
+            f"{source}: GSM8K's train split is not there (the recipe reads it from ../shared/data/gsm8k/train.jsonl; "
+            f"pass --source with a GSM8K-format jsonl file)"
+        )
+    lines = [line for line in source.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"{source}:{number}: not JSON ({error})") from None
+        if not (isinstance(row, dict) and isinstance(row.get("question"), str) and isinstance(row.get("answer"), str)):
+            raise SystemExit(f"{source}:{number}: expected an object with string 'question' and 'answer'")
+    return lines
+
+
+def split_gsm8k_holdout(source: Path, out_dir: Path, holdout: int, seed: int) -> dict:
+    """Write out_dir/heldout.jsonl (`holdout` rows drawn by `seed`) and out_dir/train.jsonl (every other row, in the
+    source's order) and out_dir/source.json; returns what source.json records."""
+    lines = read_gsm8k_rows(source)
+    if not 0 < holdout < len(lines):
+        raise SystemExit(f"--holdout: expected 1..{len(lines) - 1} rows of {source}'s {len(lines)}, got {holdout}")
+    held = set(random.Random(seed).sample(range(len(lines)), holdout))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "heldout.jsonl").write_text("".join(lines[i] + "\n" for i in sorted(held)))
+    (out_dir / "train.jsonl").write_text("".join(line + "\n" for i, line in enumerate(lines) if i not in held))
+    record = {
+        "source": str(source),
+        "sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "rows": len(lines),
+        "heldout_rows": holdout,
+        "train_rows": len(lines) - holdout,
+        "seed": seed,
+    }
+    (out_dir / "source.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def gsm8k_holdout_main(argv: list[str] | None = None) -> None:
+    """`python scripts/gsm8k_holdout.py`: the GSM8K recipe's inputs (GSM8K_HOLDOUT_DOC says how)."""
+    ap = argparse.ArgumentParser(description=GSM8K_HOLDOUT_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", type=Path, default=GSM8K_SOURCE)
+    ap.add_argument("--out-dir", type=Path, default=GSM8K_OUT_DIR)
+    ap.add_argument("--holdout", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    record = split_gsm8k_holdout(args.source, args.out_dir, args.holdout, args.seed)
+    print(f"{record['train_rows']} train and {record['heldout_rows']} held-out rows of {args.source} -> {args.out_dir}")

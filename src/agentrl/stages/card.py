@@ -429,7 +429,8 @@ def _how_it_was_made(info: dict) -> str:
 
 
 def _gguf_section(gguf: dict) -> str:
-    """How to run the GGUF files export wrote (export.gguf), with their round-trip check; empty without any."""
+    """How to run the GGUF files export wrote (export.gguf), with their round-trip check, ending in a blank line;
+    empty without any (the card then reads as before GGUF existed)."""
     if not gguf:
         return ""
     rows = "\n".join(
@@ -450,6 +451,7 @@ make serve MODEL={first}           # this project's OpenAI-compatible server rea
 
 The calculator is the project's tool loop (`agent.*` params), not part of the file: another runtime gets the model's
 text, `<<48/2=` included, and has to supply the result itself.
+
 """
 
 
@@ -509,8 +511,7 @@ curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \
   -d '{{"messages": [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]}}'
 ```
 
-{_gguf_section(metrics["export"].get("gguf") or {})}
-From the hub (after `make publish REPO_ID=<user>/<name>`): `huggingface-cli download <user>/<name> --local-dir merged`,
+{_gguf_section(metrics["export"].get("gguf") or {})}From the hub (after `make publish REPO_ID=<user>/<name>`): `huggingface-cli download <user>/<name> --local-dir merged`,
 then `make serve MODEL=merged`, or `AutoModelForCausalLM.from_pretrained("<user>/<name>")` with the tokenizer's
 chat template ({system}). Serve it with the `agent:` params it was trained with.
 

