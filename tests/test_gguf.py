@@ -265,8 +265,8 @@ def test_every_stage_runs_on_smollm2_from_its_gguf(copy_repo):
     """The calculator recipe shrunk to a few steps of each stage (`dvc repro` in a copy of the repository): base from
     the GGUF, LoRA SFT and GRPO, three evaluations, export with both GGUF files checked, int8, the card."""
     from agentrl.experiments.recipe import apply
+    from agentrl.experiments.scratch import git_commit_all
 
-    subprocess.run(["git", "init", "-q"], cwd=copy_repo, check=True)
     apply(copy_repo / "params.yaml", ROOT / "configs/recipes/smollm2-135m-calculator.yaml")
     params = yaml.safe_load((copy_repo / "params.yaml").read_text())
     params["data"]["synthetic"].update(num_train=40, num_test=6)
@@ -279,6 +279,7 @@ def test_every_stage_runs_on_smollm2_from_its_gguf(copy_repo):
     params["export"]["num_verify_prompts"] = 2
     params["tracking"]["report_to"] = ["dvclive"]
     (copy_repo / "params.yaml").write_text(yaml.safe_dump(params))
+    git_commit_all(copy_repo, "smollm2 miniature")
     env = tool_env("offline", OMP_NUM_THREADS="1")
     run = subprocess.run(["dvc", "repro"], cwd=copy_repo, env=env, capture_output=True, text=True, timeout=2400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

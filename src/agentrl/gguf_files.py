@@ -111,15 +111,16 @@ def describe(path: Path) -> dict:
         tokenizer = {
             k: reader.fields[k].contents() for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre") if k in reader.fields
         }
+        file_type = fields.get("general.file_type")
+        file_type = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
     except Exception as error:  # the reader raises ValueError, struct/IndexError, UnicodeDecodeError... on damage
         raise GgufError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
     if "general.architecture" not in fields:
         raise GgufError(f"{path}: not a readable GGUF file (no general.architecture field)")
-    file_type = fields.get("general.file_type")
     return {
         "architecture": fields["general.architecture"],
         "name": fields.get("general.name"),
-        "file_type": gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None,
+        "file_type": file_type,
         "tensor_types": dict(sorted(tensor_types.items())),
         "tensors": len(reader.tensors),
         "tokenizer": {k.removeprefix("tokenizer.ggml."): v for k, v in tokenizer.items()},
