@@ -313,7 +313,8 @@ def bench_real(batches: list[int], new_tokens: int, repeats: int) -> dict:
     weight_bytes = matmul_parameters(dims) * 4
     peak = matmul_peak()["flops_per_second"]
     bandwidth = read_bandwidth()
-    prompt_tokens = len(tok.apply_chat_template(word_problems(1)[0], add_generation_prompt=True))
+    rendered = tok.apply_chat_template(word_problems(1)[0], add_generation_prompt=True, tokenize=False)
+    prompt_tokens = len(tok(rendered, add_special_tokens=False)["input_ids"])
     per_token = flops_per_token(dims, prompt_tokens + new_tokens / 2, "forward")
     rows = []
     for batch in batches:
