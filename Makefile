@@ -75,7 +75,7 @@ $(GGUF_STAMP): requirements-gguf.txt requirements.txt
 # experiment real-<REAL> in a temporary workspace, then its metrics and diagnostics copied to docs/real/<REAL>/. The
 # GSM8K recipe's inputs/gsm8k/ split (scripts/gsm8k_holdout.py) is written for the experiment and removed after it.
 REAL ?= smollm2-135m-calculator
-real: setup-gguf ## SmolLM2-135M-Instruct from its GGUF, SFT + GRPO on the CPU (REAL=smollm2-135m-calculator|..-gsm8k)
+real: setup-gguf ## SmolLM2-135M-Instruct from its GGUF through the pipeline on the CPU (REAL=)
 	$(if $(findstring gsm8k,$(REAL)),python scripts/gsm8k_holdout.py)
 	python scripts/recipe.py run configs/recipes/$(REAL).yaml -- --temp --name real-$(REAL) $(DVC_EXP_ARGS); \
 	  status=$$?; rm -rf inputs/gsm8k; exit $$status  # the split rides in the experiment; the default's inputs/ stays
@@ -111,7 +111,7 @@ test-heavy: setup ## end-to-end runs of tens of minutes (seeds on miniature para
 test-all: setup ## every test
 	python -m pytest $(PYTEST_ARGS)
 
-serve: setup-gguf ## serve MODEL (models/merged, or a .gguf file) with the OpenAI-compatible API on HOST:PORT
+serve: setup-gguf ## serve MODEL (models/merged, a .gguf) with the OpenAI-compatible API
 	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serving.app:app --host $(HOST) --port $(PORT)
 
 # MCP server over stdio (agentrl.api.mcp_server) for agents; README "Driving the pipeline from an agent (MCP)".

@@ -8,7 +8,7 @@ fixed prompt set, and its greedy completions; the stage fails when they differ.
 With `export.gguf` (f32, f16, q8_0), the merged model is also written as GGUF files to models/gguf/ with gguf's
 writer, for llama.cpp, Ollama and LM Studio; each is read back through transformers and its greedy completions on
 the verify prompts compared with the merged model's: an f32 file must agree on every prompt (else the stage fails),
-f16 and q8_0 round the weights, so how many agree is recorded (metrics/export.json `gguf`).
+f16 and q8_0 round the weights, so how many agree is recorded (`gguf` in diagnostics/export.json).
 
 Stage `eval_quantized` (python -m agentrl.stages.export --quantized-eval): evaluates models/merged in full
 precision and int8 (export.quantize: bitsandbytes on CUDA, torch dynamic int8 on CPU; quantize.py is
@@ -216,8 +216,8 @@ def main() -> None:
     params = load_params_or_exit()
     try:
         quantized_eval(params) if args.quantized_eval else export(params)
-    except ExportVerificationError as error:
-        log.error("%s", error)
+    except (ExportVerificationError, gguf_files.GgufError) as error:  # a failed check, or export.gguf on a model
+        log.error("%s", error)  # it cannot write (not Llama): one line, no traceback
         raise SystemExit(1) from None
 
 
