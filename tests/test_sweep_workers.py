@@ -371,6 +371,20 @@ def test_dashboard_refuses_foreign_hosts_and_changes_without_its_token(tmp_path)
     assert studies() == []
 
 
+def test_dashboard_answers_404_to_traversal_and_serves_static_files_without_accept_encoding(tmp_path):
+    """Issue 56: `GET /static/../../etc/passwd` (curl: no Accept-Encoding) answered 500 from optuna-dashboard's static
+    route, which reads that header unguarded."""
+    from werkzeug.test import Client
+
+    client = Client(sweep_worker.dashboard_app(sweep_worker.open_storage(str(tmp_path / "s.journal")), 8080))
+    here = {"Host": "127.0.0.1:8080"}
+    for path in ("/static/../../etc/passwd", "/static/%2e%2e/%2e%2e/etc/passwd", "/../static/bundle.js"):
+        r = client.get(path, headers=here)
+        assert r.status_code == 404 and "no such path" in r.text, (path, r.status_code)
+    assert client.get("/static/bundle.js", headers=here).status_code == 200
+    assert client.get("/static/no-such-file.js", headers=here).status_code == 404
+
+
 def re_escape(s: str) -> str:
     import re
 

@@ -598,6 +598,10 @@ class DashboardGuard:
             where += f"?{rest}" if rest else ""
             start_response("303 See Other", [("Location", where), ("Set-Cookie", cookie), ("Content-Length", "0")])
             return [b""]
+        if ".." in environ.get("PATH_INFO", "/").split("/"):  # traversal (PATH_INFO is already percent-decoded)
+            return self.refuse(start_response, "no such path", "404 Not Found")
+        # optuna-dashboard's static route reads the header unguarded: without it (curl's default) it answered 500
+        environ.setdefault("HTTP_ACCEPT_ENCODING", "identity")
         if environ.get("REQUEST_METHOD", "GET") in self.SAFE_METHODS:
             return self.app(environ, start_response)
         if self.token is None:
@@ -613,20 +617,10 @@ class DashboardGuard:
         return self.app(environ, start_response)
 
     @staticmethod
-    def refuse(start_response, why: str) -> list[bytes]:
-        """A 403 answer saying why.
-
-        Args:
-            start_response: the WSGI server's callable.
-            why: the reason, for the client.
-
-        Returns:
-            The response body.
-        """
-        body = f"403 Forbidden: {why}\n".encode()
-        start_response(
-            "403 Forbidden", [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
-        )
+    def refuse(start_response, why: str, status: str = "403 Forbidden") -> list[bytes]:
+        """A plain-text refusal (403 unless `status` says otherwise) saying why; returns the body."""
+        body = f"{status}: {why}\n".encode()
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
         return [body]
 
 
