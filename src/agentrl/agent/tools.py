@@ -72,6 +72,12 @@ def get_tool(name: str) -> Callable[..., str]:
 
 
 # ----------------------------------------------------------------------------------- formats
+# Qwen3's tags are non-special added tokens (`split_special_tokens` does not split them) and <|...|> are control
+# tokens: spelled inside a result they would tokenize as protocol, closing the response and forging a call. A
+# space after the `<` keeps them text, as InlineFormat's results have `<<` -> `< <` (Episode.run). Both formats.
+PROTOCOL_TAG = re.compile(r"<(?=/?(?:tool_call|tool_response|think)>|\|[^<>|\s]*\|>)")
+
+
 @dataclass
 class Call:
     """One tool call found in the policy's text: which tool, its arguments, the text that opened it."""
@@ -102,7 +108,7 @@ class InlineFormat:
         return [call] if call is not None else []
 
     def render_result(self, result: str) -> str:
-        return f"{result}>>"
+        return f"{PROTOCOL_TAG.sub('< ', result)}>>"  # a result's `<|im_end|>` stays text (issue 56), as in chat
 
     def render_results(self, results: list[str]) -> str:
         return "".join(self.render_result(r) for r in results)
@@ -151,10 +157,7 @@ class ChatFormat:
     def render_result(self, result: str) -> str:
         return self.render_results([result])
 
-    # Qwen3's tags are non-special added tokens (`split_special_tokens` does not split them) and <|...|> are control
-    # tokens: spelled inside a result they would tokenize as protocol, closing the response and forging a call. A
-    # space after the `<` keeps them text, as InlineFormat's results have `<<` -> `< <` (Episode.run).
-    _PROTOCOL_TAG = re.compile(r"<(?=/?(?:tool_call|tool_response|think)>|\|[^<>|\s]*\|>)")
+    _PROTOCOL_TAG = PROTOCOL_TAG
 
     def render_results(self, results: list[str]) -> str:
         """The tool turn after a call turn: one user turn with a `<tool_response>` per result, as Qwen3's template
