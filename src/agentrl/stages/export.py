@@ -87,7 +87,8 @@ def export(params: Params) -> dict:
 
     reloaded = load_model(out_dir)  # plain transformers, no PEFT
     reloaded.eval()
-    diff = (logits(reloaded, load_tokenizer(out_dir), prompts) - ref_logits).abs().max().item()
+    reloaded_tok = load_tokenizer(out_dir)  # the saved tokenizer, as a user of models/merged loads it
+    diff = (logits(reloaded, reloaded_tok, prompts) - ref_logits).abs().max().item()
     new_text = [s[0][0] for s in generate(reloaded, tok, prompts, len(prompts), params.eval.max_new_tokens)]
     same = sum(a == b for a, b in zip(ref_text, new_text))
     metrics = {
@@ -99,7 +100,7 @@ def export(params: Params) -> dict:
         "parameters": sum(p.numel() for p in reloaded.parameters()),
         "passed": diff <= params.export.max_abs_logit_diff and same == len(prompts),
     }
-    if metrics["passed"] and (written := export_gguf(reloaded, load_tokenizer(out_dir), prompts, new_text, params)):
+    if metrics["passed"] and (written := export_gguf(reloaded, reloaded_tok, prompts, new_text, params)):
         metrics["gguf"] = written
         metrics["passed"] = all(g["passed"] for g in written.values())
     metrics["peak_rss_mb"] = peak_rss_mb()
