@@ -73,12 +73,13 @@ $(GGUF_STAMP): requirements-gguf.txt requirements.txt
 # A real pretrained model (docs/real-model.md): REAL=smollm2-135m-calculator (the generated task, needs nothing else)
 # or smollm2-135m-gsm8k (real GSM8K from ../shared/data/gsm8k/train.jsonl) from configs/recipes/<REAL>.yaml, as the
 # experiment real-<REAL> in a temporary workspace, then its metrics and diagnostics copied to docs/real/<REAL>/. The
-# GSM8K recipe's inputs/gsm8k/ split (scripts/gsm8k_holdout.py) is written for the experiment and removed after it.
+# GSM8K recipe's inputs/gsm8k/ split (scripts/gsm8k_holdout.py) is staged so that it rides in the experiment's commit
+# (dvc exp run --temp carries staged files, not untracked ones), then unstaged and removed: the default's inputs/ stays.
 REAL ?= smollm2-135m-calculator
 real: setup-gguf ## SmolLM2-135M-Instruct from its GGUF through the pipeline on the CPU (REAL=)
-	$(if $(findstring gsm8k,$(REAL)),python scripts/gsm8k_holdout.py)
+	$(if $(findstring gsm8k,$(REAL)),python scripts/gsm8k_holdout.py && git add inputs/gsm8k)
 	python scripts/recipe.py run configs/recipes/$(REAL).yaml -- --temp --name real-$(REAL) $(DVC_EXP_ARGS); \
-	  status=$$?; rm -rf inputs/gsm8k; exit $$status  # the split rides in the experiment; the default's inputs/ stays
+	  status=$$?; git rm -r -q --cached --ignore-unmatch inputs/gsm8k; rm -rf inputs/gsm8k; exit $$status
 	python scripts/env_results.py --diagnostics real-$(REAL) docs/real/$(REAL)
 
 repro: setup ## set-up, then the whole DVC pipeline (dvc repro)

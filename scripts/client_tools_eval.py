@@ -23,9 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from agentrl.agent.tools import calculator, call_tool
 from agentrl.answers import answers_match, extract_answer, normalize_number
 from agentrl.config import load_params
+from agentrl.envs.calculator import calculator
+from agentrl.envs.registry import call_tool
 from agentrl.modeling import load_tokenizer
 from agentrl.serving.local import served
 

@@ -10,8 +10,10 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from agentrl.agent.loop import generate_with_tools, sft_features, tokenize_trace, tool_stats
-from agentrl.agent.tools import calculator, call_tool, get_tool, split_annotated
+from agentrl.agent.tools import get_tool, split_annotated
 from agentrl.data import generate_synthetic
+from agentrl.envs.calculator import calculator
+from agentrl.envs.registry import call_tool
 from conftest import make_toolset, tiny_lm
 
 
@@ -367,6 +369,34 @@ def test_prepare_keeps_tool_calls_only_with_tools_and_mixes_them_by_share(workdi
     m = prepare.prepare(validate_params(p))
     comps = [json.loads(line)["completion"][0]["content"] for line in open("data/prepared/sft_train.jsonl")]
     assert m["calculator_annotations"] == "stripped" and not any("<<" in c for c in comps)
+
+
+def test_calculator_share_leaves_the_calls_to_a_users_own_tool_alone(workdir, monkeypatch):
+    """Issue 56 item 3: data.calculator_share (0.52 by default) used to strip the calls from its complement of every
+    annotated demonstration, whatever the tool: a user's own tool lost 138 of 300 demonstrations' calls. It thins
+    out the calculator's calls only; another tool's are all kept, and metrics/prepare.json says the share did not
+    apply."""
+    import json
+
+    from agentrl.config import validate_params
+    from agentrl.stages import prepare
+    from conftest import mini_params
+
+    (workdir / "own_tools.py").write_text(
+        'def lookup(query: str) -> str:\n    """Look the query up."""\n    return query\n'
+    )
+    monkeypatch.syspath_prepend(str(workdir))
+    p = mini_params()
+    p["data"]["calculator_share"] = 0.3
+    p["agent"]["tools"] = ["own_tools:lookup"]
+    m = prepare.prepare(validate_params(p))
+    comps = [json.loads(line)["completion"][0]["content"] for line in open("data/prepared/sft_train.jsonl")]
+    assert all("<<" in c for c in comps), "a demonstration of the user's own tool lost its calls"
+    assert m["calculator_share_applied"] is False and m["tool_solution_share"] == 1.0
+    p["agent"]["tools"] = ["calculator"]
+    m = prepare.prepare(validate_params(p))
+    comps = [json.loads(line)["completion"][0]["content"] for line in open("data/prepared/sft_train.jsonl")]
+    assert m["calculator_share_applied"] is True and 0.15 < sum("<<" in c for c in comps) / len(comps) < 0.45
 
 
 def test_synthetic_distractors_and_comparisons():

@@ -53,6 +53,9 @@ def test_compare_main_writes_paired_test_and_plot_csv(workdir, tools):
     assert out["ci95"] == g["ci95"] and -1 <= lo < 0.4 < hi <= 1  # the bootstrap CI holds the difference
     b = out["sft_vs_base"]
     assert (b["only_before_correct"], b["only_after_correct"], b["p_value"]) == (0, 2, 0.5)
+    gb = out["grpo_vs_base"]  # GRPO against the untrained model, on the same problems: 7 gained, 1 lost
+    assert (gb["only_before_correct"], gb["only_after_correct"]) == (1, 7)
+    assert gb["difference"] == pytest.approx(0.6) and gb["p_value"] == pytest.approx(2 * (1 + 8) / 2**8)
     tool_keys = {k for k in out if k.endswith(compare.TOOL_KEYS)}
     if tools:
         assert out["sft_tool_use_rate"] == pytest.approx(0.3) and out["grpo_tool_use_rate"] == pytest.approx(0.4)

@@ -169,11 +169,11 @@ MAX_TINY = dict(
 @pytest.fixture
 def cpu_machine(monkeypatch):
     """A CPU-only machine with 64 GB of RAM, whatever machine runs the test (the GPU memory can be set per test)."""
-    from agentrl import config
+    from agentrl import sizing
 
-    monkeypatch.delenv(config.ALLOW_LARGE_MODEL_ENV, raising=False)
-    monkeypatch.setattr(config, "ram_bytes", lambda: 64 * 10**9)
-    monkeypatch.setattr(config, "gpu_bytes", lambda: 0)
+    monkeypatch.delenv(sizing.ALLOW_LARGE_MODEL_ENV, raising=False)
+    monkeypatch.setattr(sizing, "ram_bytes", lambda: 64 * 10**9)
+    monkeypatch.setattr(sizing, "gpu_bytes", lambda: 0)
     return monkeypatch
 
 
@@ -191,8 +191,9 @@ def test_tiny_model_at_its_maxima_is_refused_unless_allowed(cpu_machine):
 
 
 def test_tiny_parameter_estimate_is_the_built_model_count():
-    from agentrl.config import TinyModelParams, tiny_parameter_count
+    from agentrl.config import TinyModelParams
     from agentrl.modeling import build_tiny_model
+    from agentrl.sizing import tiny_parameter_count
 
     for dims in (raw_params()["model"]["tiny"], {**raw_params()["model"]["tiny"], "num_key_value_heads": 4}):
         t = TinyModelParams(**dims)
@@ -216,9 +217,9 @@ def test_tiny_parameter_estimate_is_the_built_model_count():
 )
 def test_hub_models_too_big_for_the_machine_are_refused_offline(cpu_machine, base_model, gpu_gb, refused):
     """A 405B hub id on a CPU machine used to validate and start a download; the size in the name refuses it."""
-    from agentrl import config
+    from agentrl import sizing
 
-    cpu_machine.setattr(config, "gpu_bytes", lambda: gpu_gb * 10**9)
+    cpu_machine.setattr(sizing, "gpu_bytes", lambda: gpu_gb * 10**9)
     p = raw_params()
     p["model"]["base_model"] = base_model
     if refused is None:
@@ -253,3 +254,19 @@ def test_allow_large_model_variable_takes_only_0_or_1(cpu_machine):
     cpu_machine.setenv("AGENTRL_ALLOW_LARGE_MODEL", "yes")
     with pytest.raises(ParamsError, match="AGENTRL_ALLOW_LARGE_MODEL must be 1"):
         validate_params(raw_params())
+
+
+def test_a_misspelt_reward_is_refused_when_params_load_naming_the_known_ones():
+    """Issue 54 item 4: reward names were checked by form only, so `accuarcy` passed validation and failed at
+    eval_base or grpo. The built-in names (config.REWARD_NAMES, kept equal to agent/rewards.py's REGISTRY) are
+    listed; a module:function is still checked by form and imported by the stage."""
+    from agentrl.agent.rewards import REGISTRY
+    from agentrl.config import REWARD_NAMES
+
+    assert set(REWARD_NAMES) == set(REGISTRY)
+    p = raw_params()
+    p["grpo"]["rewards"] = {"accuarcy": 1.0}
+    with pytest.raises(ParamsError, match=r"unknown reward 'accuarcy'; known: accuracy, format, length_penalty, step"):
+        validate_params(p)
+    p["grpo"]["rewards"] = {"accuracy": 1.0, "my_rewards:score": 0.5}
+    assert validate_params(p).grpo.rewards["my_rewards:score"] == 0.5

@@ -143,6 +143,42 @@ def test_prepare_outputs(workdir):
     assert read_metrics(workdir / "metrics/prepare.json")["dropped"]["total"] == 0
 
 
+def test_prepare_records_overlap_for_every_source_and_refuses_trained_held_out_instances(workdir, monkeypatch):
+    """Issue 56 item 2: nothing measured how far held-out rows are from training. metrics/prepare.json now has an
+    `overlap` block for text sources (held-out questions in training: dropped as bad rows and counted) and for
+    environments (prompts and instances in both splits, distinct test instances); an environment whose generator
+    lets held-out instances into training is refused before anything is written, unless data.allow_test_overlap."""
+    from agentrl.config import validate_params
+    from agentrl.envs import countdown
+    from agentrl.stages import prepare
+
+    _write_gsm8k(workdir / "train.jsonl", GOOD[:20])
+    _write_gsm8k(workdir / "test.jsonl", GOOD[15:])  # five held-out questions also in train: dropped and counted
+    m = _prepare(
+        workdir, source="jsonl", train_file="train.jsonl", test_file="test.jsonl", on_bad_rows="drop",
+        eval_max_samples=None,
+    )  # fmt: skip
+    assert m["overlap"] == {"test_rows": 15, "test_prompts_in_train": 0, "train_rows_dropped_as_test": 5}
+
+    p = mini_params()
+    p["agent"].update(tools=[], environment="countdown")
+    p["environments"]["countdown"].update(num_train=30, num_test=10)
+    m = prepare.prepare(validate_params(p))
+    assert m["overlap"] == {
+        "test_rows": 10, "test_prompts_in_train": 0, "test_instances_in_train": 0, "distinct_test_instances": 10
+    }  # fmt: skip
+    real = countdown.make_rows
+    monkeypatch.setattr(countdown, "make_rows", lambda *a, exclude=(), **kw: real(*a, **kw))  # ignores exclude
+    p["environments"]["countdown"].update(num_train=400, num_test=200)
+    (workdir / "data/prepared/test.jsonl").write_text("earlier\n")
+    with pytest.raises(prepare.TestOverlapError, match=r"countdown: \d+ of 200 held-out instances are also training"):
+        prepare.prepare(validate_params(p))
+    assert (workdir / "data/prepared/test.jsonl").read_text() == "earlier\n"  # nothing written
+    p["data"]["allow_test_overlap"] = True
+    m = prepare.prepare(validate_params(p))
+    assert m["overlap"]["test_instances_in_train"] > 0
+
+
 def test_subset_is_seeded_random_not_first_n(workdir):
     _prepare(workdir, max_samples=20)
     first = [r["id"] for r in _read(workdir / "data/prepared/sft_train.jsonl")]

@@ -20,7 +20,10 @@ the next heading); at most MAX_UNCHECKED such comments per document.
 
 from __future__ import annotations
 
+import ast
 import csv
+import fnmatch
+import functools
 import json
 import math
 import re
@@ -321,3 +324,135 @@ def test_relative_links_point_at_committed_paths(name):
 def test_readme_is_short():
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines, at most {README_MAX_LINES}"
+
+
+# ------------------------------------------------------------------------------------------ code references
+# Issue 54 item 6: the code a doc names in backticks exists. Checked: the current docs (README.md, docs/*.md but the
+# history, the real-model results' READMEs); records of past runs (docs/envs/*, docs/repro-runs/*, docs/history.md)
+# name the code of the commit they were made at. A reference is one of:
+#   `make target`                      a target of the Makefile (globs such as `make sweep-*` match one)
+#   `path/file.py`                     a file: from the repository root, src/agentrl/, the doc's folder, or the tail
+#                                      of a path in the repository (`stages/export.py`, `export.py`)
+#   `module.name`, `module.Class.attr`  (with `agentrl.` or without, a module as short as its last part, a call's
+#   `python -m agentrl.module`          arguments allowed) a module of src/agentrl and, after it, a name defined or
+#                                      imported at its top level (then a method or attribute of that class)
+# A dotted name that is a params.yaml key (`data.calculator_share`, `grpo.trainer.beta`) is a knob, not code.
+SRC = ROOT / "src/agentrl"
+CODE_REF_DOCS = sorted(
+    {"README.md"}
+    | {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if p.name != "history.md"}
+    | {str(p.relative_to(ROOT)) for p in (ROOT / "docs/real").glob("*/README.md")}
+)
+PASSTHROUGH_PARENTS = ("trainer", "lora", "environments", "reward_kwargs", "rewards", "env_kwargs", "config", "knobs")
+DOTTED = re.compile(r"(?:python -m )?((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)(?:\(.*\))?")
+
+
+@functools.cache
+def package_modules(src: Path = SRC) -> dict[str, Path]:
+    """Every module of the package by dotted name (`stages.export`, `agent` for agent/__init__.py)."""
+    out = {}
+    for f in src.rglob("*.py"):
+        parts = list(f.relative_to(src).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+@functools.cache
+def top_level_names(path: Path) -> dict[str, set[str]]:
+    """A module's top-level names (defined, assigned or imported), each class with its own members' names."""
+    names: dict[str, set[str]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = {
+                getattr(n, "name", None) or getattr(getattr(n, "target", None), "id", "")
+                for n in node.body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.AnnAssign))
+            } | {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = set()
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Name):
+                    names[t.id] = set()
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(a.asname or a.name).split(".")[0]: set() for a in node.names})
+    return names
+
+
+def is_params_key(parts: list[str], params: dict) -> bool:
+    """Whether `parts` walks params.yaml, or ends in a pass-through section it reaches (TRL/PEFT/environment knobs)."""
+    node: object = params
+    for i, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return i > 0 and parts[i - 1] in PASSTHROUGH_PARENTS
+    return True
+
+
+def code_reference_problem(ref: str, doc_dir: Path, root: Path = ROOT, src: Path = SRC) -> str | None:
+    """Why a backticked reference names code that does not exist, or None (also for text that is no reference)."""
+    if m := re.match(r"make\s+([\w*-]+)", ref):
+        targets = set(re.findall(r"^([A-Za-z][\w-]*)\s*:(?!=)", (root / "Makefile").read_text(), re.M))
+        return None if m.group(1).startswith("-") or fnmatch.filter(targets, m.group(1)) else "no such make target"
+    if re.fullmatch(r"[\w./-]+\.py", ref):
+        if any((base / ref).exists() for base in (root, src, doc_dir)):
+            return None
+        tracked = (str(p.relative_to(root)) for p in root.glob(f"**/{Path(ref).name}") if ".venv" not in p.parts)
+        return None if any(p.endswith(ref) for p in tracked) else "no such file"
+    if re.search(r"\.(json|jsonl|ya?ml|csv|md|txt|gguf|safetensors|bin|pt|pth|lock|toml|log|png|svg)$", ref):
+        return None  # a data file's name (`prepare.json`), not code
+    if not (m := DOTTED.fullmatch(ref)):
+        return None
+    parts = m.group(1).split(".")
+    qualified = parts[0] == "agentrl"
+    parts = parts[1:] if qualified else parts
+    if not qualified and is_params_key(parts, yaml.safe_load((root / "params.yaml").read_text())):
+        return None
+    modules = package_modules(src)
+    for k in range(len(parts), 0, -1):
+        name = ".".join(parts[:k])
+        files = [f for d, f in modules.items() if d == name or (not qualified and d.endswith("." + name))]
+        if not files:
+            continue
+        rest = parts[k:]
+        for f in files:
+            names = top_level_names(f)
+            if not rest or (rest[0] in names and (len(rest) == 1 or not names[rest[0]] or rest[1] in names[rest[0]])):
+                return None
+        return f"{'.'.join(rest)} is not defined in {', '.join(str(f.relative_to(root)) for f in files)}"
+    return "no such module in src/agentrl" if qualified else None
+
+
+def code_reference_problems(doc: Path, root: Path = ROOT, src: Path = SRC) -> list[str]:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # commands and sample output, not references
+    found = []
+    for ref in re.findall(r"`([^`\n]+)`", text):
+        if why := code_reference_problem(ref.strip(), doc.parent, root, src):
+            found.append(f"{doc.relative_to(root) if doc.is_relative_to(root) else doc.name}: `{ref}`: {why}")
+    return found
+
+
+@pytest.mark.parametrize("name", CODE_REF_DOCS)
+def test_the_code_a_doc_names_exists(name):
+    problems = code_reference_problems(ROOT / name)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_code_reference_check_fails_on_planted_references(tmp_path):
+    """It fails on a function, module, file and make target that do not exist, and passes on real ones and knobs."""
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "Call `agent.loop.generate_with_tool` (sic), `agentrl.stages.nonexistent`, `stages/nothing.py`, `make no-such`;"
+        " `agent.generate_with_tools` (the old path). Real: `agent.loop.generate_with_tools`,"
+        " `common.checkpoint_problem`, `stages/export.py`, `make test`, `data.calculator_share`, `grpo.trainer.beta`,"
+        " `tools.Episode.run`, `metrics/prepare.json`.\n"
+    )
+    problems = [p.split(": `")[1].split("`")[0] for p in code_reference_problems(doc, ROOT, SRC)]
+    assert problems == [
+        "agent.loop.generate_with_tool",
+        "agentrl.stages.nonexistent",
+        "stages/nothing.py",
+        "make no-such",
+        "agent.generate_with_tools",
+    ]

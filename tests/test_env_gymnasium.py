@@ -69,14 +69,14 @@ def test_value_iteration_on_slippery_frozenlake_matches_monte_carlo():
 
 
 @pytest.mark.parametrize(
-    "knobs,steps,total",
+    "knobs,n,steps,total",
     [
-        ({"env_id": "CliffWalking-v1", "max_steps": 30}, 13, -13.0),  # up, 11 right along the cliff, down
-        ({"env_id": "Taxi-v4", "max_steps": 40}, None, None),
+        ({"env_id": "CliffWalking-v1", "max_steps": 30}, 1, 13, -13.0),  # up, 11 right along the cliff, down
+        ({"env_id": "Taxi-v4", "max_steps": 40}, 5, None, None),
     ],
 )
-def test_teacher_solves_cliffwalking_and_taxi(knobs, steps, total):
-    for row in make_rows(5, random.Random(1), "test", env_knobs=knobs):
+def test_teacher_solves_cliffwalking_and_taxi(knobs, n, steps, total):
+    for row in make_rows(n, random.Random(1), "test", env_knobs=knobs):  # CliffWalking has one episode
         env = replay(row, knobs)
         assert env.solved and correct(row, "", env) and row["answer"].endswith("\n#### goal")
         if steps is not None:
@@ -321,6 +321,22 @@ def test_bad_rows_name_the_field(row, field):
         GymnasiumEnv().reset(id="r1", **row)
 
 
+def test_a_deterministic_env_draws_distinct_episodes_or_says_it_cannot():
+    """Issue 56 item 2: CliffWalking-v1 gave one distinct episode across 224 rows, and 9 of 24 Taxi-v4 test prompts
+    were training prompts: rows were told apart by their seed, which draws nothing in a deterministic env. Now such
+    an env's episodes are keyed by their map and start: Taxi's held-out episodes are distinct and never trained
+    on, and CliffWalking (one start) refuses to make a second episode, saying why."""
+    taxi = {"env_id": "Taxi-v4", "env_kwargs": {}, "max_steps": 40}
+    test = make_rows(24, random.Random(0), "test", env_knobs=taxi)
+    train = make_rows(150, random.Random(1), "train", env_knobs=taxi, exclude={gt.instance_key(r) for r in test})
+    assert len({r["question"] for r in test}) == 24
+    assert not {r["question"] for r in test} & {r["question"] for r in train}
+    with pytest.raises(ValueError, match=r"only 1 distinct test episodes of CliffWalking-v1 .* it is deterministic"):
+        make_rows(2, random.Random(0), "test", env_knobs={"env_id": "CliffWalking-v1", "env_kwargs": {}})
+    slippery = make_rows(5, random.Random(0), "test", env_knobs=SLIPPERY)  # one map, but the seed draws the slips
+    assert len({gt.instance_key(r) for r in slippery}) == 5
+
+
 def test_impossible_request_says_what_to_change():
     with pytest.raises(ValueError, match="raise max_steps"):
         make_rows(2, random.Random(0), "train", env_knobs={"max_steps": 3})
@@ -363,7 +379,7 @@ def test_defaults_are_the_signature_defaults_and_the_config_validates_them():
 
 
 def test_registered_and_solved_by_the_environment():
-    from agentrl.agent import tools
+    from agentrl.envs import registry as tools
 
     assert tools.ENVIRONMENTS["gymnasium"] is GymnasiumEnv and tools.TASKS["gymnasium"] is gt
     row = make_rows(1, random.Random(0), "train", env_knobs=DETERMINISTIC)[0]

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agentrl.agent.tools import Call, episode_solved, split_annotated  # noqa: E402
+from agentrl.agent.tools import Call, split_annotated  # noqa: E402
 from agentrl.envs import countdown, gridworld, mixture  # noqa: E402
+from agentrl.envs.registry import episode_solved
 from conftest import make_toolset, mini_params  # noqa: E402
 
 MEMBERS = {
@@ -235,7 +236,7 @@ def test_call_formats_refuse_what_they_cannot_drive():
             """
             return x
 
-    from agentrl.agent import tools
+    from agentrl.envs import registry as tools
 
     two = {"two": {"environment": "countdown", "share": 1.0}}
     original = tools.ENVIRONMENTS["countdown"]

@@ -181,7 +181,8 @@ def test_bad_rows_name_the_field():
 
 
 def test_episodes_solve_by_the_module_rule_through_the_registry():
-    from agentrl.agent.tools import ENVIRONMENTS, TASKS, episode_solved, toolset_from_params
+    from agentrl.agent.tools import toolset_from_params
+    from agentrl.envs.registry import ENVIRONMENTS, TASKS, episode_solved
 
     assert TASKS["reasoning_gym"] is rgt and ENVIRONMENTS["reasoning_gym"] is rgt.ReasoningGym
     row = rows_of(1, seed=0)[0]
@@ -265,7 +266,7 @@ def test_a_demonstration_replayed_through_the_loop_is_solved():
 
 # ----------------------------------------------------------------------------------- the contract
 def test_every_registered_task_and_environment_satisfies_the_contract():
-    from agentrl.agent.tools import ENVIRONMENTS, TASKS
+    from agentrl.envs.registry import ENVIRONMENTS, TASKS
 
     for name, module in TASKS.items():
         contract.check_task_module(module)

@@ -346,6 +346,47 @@ def test_tool_rollout_renders_the_chat_prompt_with_its_tools(tiny):
         tok.chat_template = saved
 
 
+class ResetFailsOnOddRows:
+    """An environment whose reset fails for odd `n` (a dead server, a row the environment cannot load)."""
+
+    def reset(self, **row):
+        if row.get("n", 0) % 2:
+            raise ConnectionError("server gone")
+
+    def check(self, expression: str) -> str:
+        """Check an expression.
+
+        Args:
+            expression: the expression.
+        """
+        return "ok"
+
+
+def test_grpo_rollouts_count_broken_episodes_and_stop_past_the_share(tiny):
+    """Issue 56 item 1: GRPO trained on, scoring episodes whose environment failed as wrong answers. ToolRollout
+    logs tools/broken_episode_rate, and once the stage's broken episodes pass agent.max_broken_share it raises
+    BrokenEnvironmentError naming the first failure (grpo exits non-zero with that line)."""
+    from agentrl.agent.loop import BrokenEnvironmentError
+    from agentrl.stages.grpo import ToolRollout
+
+    tok, model, _ = tiny
+    ts = make_toolset(
+        None, "inline", max_calls=2, environment="countdown", env_class=ResetFailsOnOddRows, eos_token=tok.eos_token
+    )
+    prompt = prompt_of("What is 2+2?")
+    rows = [{"prompt": prompt, "n": n} for n in (0, 2, 4, 1)]
+    trainer = _rollout_trainer(model, tok, 1.0, 4)
+    lenient = ToolRollout(ts, max_broken_share=0.3)
+    lenient.batch_rows = rows
+    lenient([prompt] * 4, trainer)  # 1 of 4 broken: within the share
+    assert lenient.broken == 1 and lenient.pop_curves()["tools/broken_episode_rate"] == 0.25
+    strict = ToolRollout(ts, max_broken_share=0.2)
+    strict.batch_rows = rows
+    with pytest.raises(BrokenEnvironmentError, match=r"grpo: 1 of 4 episodes .*first: environment reset failed: "
+                       r"ConnectionError: server gone.*max_broken_share=0.2"):  # fmt: skip
+        strict([prompt] * 4, trainer)
+
+
 def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_an_ambiguous_lookup(monkeypatch):
     """Rows that share a prompt (FrozenLake with a hidden map: every prompt is the same) are told apart only by the
     batch the trainer hands over (ToolRollout.batch_rows): each episode gets its own row, in order. Without the

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.agent.tools import _ANNOTATION, Call, episode_solved, toolset_from_params
+from agentrl.agent.tools import _ANNOTATION, Call, toolset_from_params
 from agentrl.config import load_params
+from agentrl.envs.registry import episode_solved
 from agentrl.experiments.overrides import leaves
 from conftest import mini_params, raw_params, tool_env, write_params
 

@@ -205,10 +205,11 @@ def test_the_base_stage_turns_a_pinned_gguf_into_models_base(tiny_gguf, workdir)
 
 
 def test_export_writes_each_type_export_gguf_asks_for_and_checks_it(tiny_gguf, workdir):
-    """The knob reaches the code: [f32, q8_0] writes and checks both files, [] writes none and says so."""
+    """The knob reaches the code: [f32, q8_0] writes and checks both files, [] writes none and says so. They are
+    staged in models/gguf.partial (export swaps it in once every check passed) and recorded under models/gguf."""
     from agentrl.config import load_params
     from agentrl.stages.evaluate import generate
-    from agentrl.stages.export import GGUF_DIR, export_gguf
+    from agentrl.stages.export import GGUF_DIR, export_gguf, staging_dir
 
     _, model, tok = tiny_gguf
     prompts = [[{"role": "user", "content": t}] for t in ("Tom has 3 apples.", "12*3=", "How many?")]
@@ -218,17 +219,18 @@ def test_export_writes_each_type_export_gguf_asks_for_and_checks_it(tiny_gguf, w
     loaded = load_params()
     text = [s[0][0] for s in generate(model, tok, prompts, len(prompts), loaded.eval.max_new_tokens)]
     result = export_gguf(model, tok, prompts, text, loaded)
-    assert sorted(result) == ["f32", "q8_0"] and sorted(p.name for p in GGUF_DIR.iterdir()) == [
+    assert sorted(result) == ["f32", "q8_0"] and sorted(p.name for p in staging_dir(GGUF_DIR).iterdir()) == [
         "model-f32.gguf",
         "model-q8_0.gguf",
     ]
+    assert result["f32"]["file"] == str(GGUF_DIR / "model-f32.gguf")
     assert result["f32"]["greedy_identical_count"] == 3 and result["f32"]["passed"]
     assert result["q8_0"]["tensor_types"]["Q8_0"] == 15 and result["q8_0"]["num_prompts"] == 3
     assert export_gguf(model, tok, prompts, ["different"] * 3, loaded)["f32"]["passed"] is False
     params["export"]["gguf"] = []
     (workdir / "params.yaml").write_text(yaml.safe_dump(params))
     assert export_gguf(model, tok, prompts, text, load_params()) == {}
-    assert [p.name for p in GGUF_DIR.iterdir()] == ["SKIPPED.txt"]
+    assert [p.name for p in staging_dir(GGUF_DIR).iterdir()] == ["SKIPPED.txt"]
 
 
 def test_the_server_accepts_a_gguf_file_and_names_a_missing_one(tiny_gguf, monkeypatch):

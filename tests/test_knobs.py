@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agentrl.config import DERIVED, ParamsError, validate_params
+from agentrl.config import ParamsError, validate_params
+from agentrl.passthrough import DERIVED, PassthroughError
 from agentrl.stages import grpo, sft
 from agentrl.stages.training import peft_config
 from conftest import mini_params, raw_params, tiny_lm
@@ -185,11 +186,11 @@ def test_value_the_dataclass_rejects_is_named_by_section_before_any_work(workdir
     so they stop it naming the section (here with no model on disk at all)."""
     p = mini_params()
     p["grpo"]["trainer"].update(generation_batch_size=8, steps_per_generation=1)
-    with pytest.raises(ParamsError, match=r"grpo.trainer: GRPOConfig rejected the configuration: .*generation"):
+    with pytest.raises(PassthroughError, match=r"grpo.trainer: GRPOConfig rejected the configuration: .*generation"):
         grpo.train(validate_params(p))
     p = mini_params()
     p["sft"]["trainer"]["lr_scheduler_type"] = "not_a_schedule"
-    with pytest.raises(ParamsError, match=r"sft.trainer: SFTConfig rejected the configuration"):
+    with pytest.raises(PassthroughError, match=r"sft.trainer: SFTConfig rejected the configuration"):
         sft.train(validate_params(p))
     assert not (workdir / "models").exists()
 

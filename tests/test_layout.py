@@ -1,9 +1,8 @@
-"""The package layout (issue 43, docs/architecture.md): the sub-packages, and the old flat module paths refused with
-a message naming the new ones. The import layering is checked in test_dvc_pipeline.py (layering_violations)."""
+"""The package layout (issue 43, docs/architecture.md): the sub-packages, and no trace of the old flat module paths
+(issue 54: no compatibility layer). The import layering is checked in test_dvc_pipeline.py (layering_violations)."""
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,46 +10,25 @@ import pytest
 import yaml
 
 import agentrl
-from agentrl import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src/agentrl"
 PACKAGES = ("agent", "api", "benchmarks", "envs", "experiments", "serving", "stages")
 
 
-def test_every_moved_module_is_gone_and_its_new_home_exists():
-    """The finder never hides a real module: each old path has no file any more, each new path is a module."""
-    assert len(MOVED_MODULES) >= 20
-    for old, (new, how) in MOVED_MODULES.items():
-        assert not (SRC / f"{old.removeprefix('agentrl.')}.py").exists(), old
-        assert importlib.util.find_spec(new) is not None, f"{old} -> {new}: no such module"
-        assert new in how, (old, how)
-
-
-@pytest.mark.parametrize("old", ["agentrl.sft", "agentrl.agent_api", "agentrl.tools", "agentrl.stage"])
-def test_importing_an_old_module_path_names_the_new_one(old):
-    new, how = MOVED_MODULES[old]
-    with pytest.raises(ModuleNotFoundError) as raised:
-        importlib.import_module(old)
-    assert str(raised.value) == f"{old} moved to {new}: {how}"
-    assert raised.value.name == old
-
-
-def test_python_m_an_old_stage_fails_naming_the_new_module():
-    """What a script or a habit that still runs `python -m agentrl.sft` (or uvicorn agentrl.serve:app) sees."""
-    r = subprocess.run([sys.executable, "-m", "agentrl.sft"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert "agentrl.sft moved to agentrl.stages.sft: python -m agentrl.stages.sft" in r.stderr, r.stderr
-
-
-def test_the_loop_names_once_in_agentrl_agent_point_to_agent_loop():
-    """`agentrl.agent` is now the agent/ package: the tool loop's old names fail naming agentrl.agent.loop."""
-    with pytest.raises(ImportError, match=r"agentrl\.agent\.generate_with_tools moved to agentrl\.agent\.loop"):
+def test_old_module_paths_are_simply_gone():
+    """Issue 54 item 5: no compatibility layer. The flat modules of before issue 43 and the tool loop's names once
+    in agentrl.agent raise Python's own errors: no meta-path finder redirects them, no package __getattr__."""
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("agentrl")]
+    for old in ("agentrl.sft", "agentrl.agent_api", "agentrl.tools", "agentrl.stage"):
+        with pytest.raises(ModuleNotFoundError, match=f"No module named '{old}'"):
+            importlib.import_module(old)
+    with pytest.raises(ImportError, match="cannot import name 'generate_with_tools'"):
         from agentrl.agent import generate_with_tools  # noqa: F401
+    assert not hasattr(importlib.import_module("agentrl.agent"), "__getattr__")
     from agentrl.agent import loop, tools  # the package's modules import as usual
 
     assert callable(loop.generate_with_tools) and callable(tools.get_tool)
-    assert not hasattr(importlib.import_module("agentrl.agent"), "no_such_name")
 
 
 def test_every_module_path_the_commands_run_exists():

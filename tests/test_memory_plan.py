@@ -9,7 +9,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.benchmarks import memory_plan as mp
-from agentrl.benchmarks.measure import flops_per_token, matmul_parameters, matmul_peak, mfu, model_dims
+from agentrl.benchmarks.measure import flops_per_token, matmul_peak, mfu, model_dims
+from agentrl.sizing import matmul_parameters
 
 DIMS = dict(
     vocab_size=100,

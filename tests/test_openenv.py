@@ -20,9 +20,10 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from agentrl.agent.tools import _ANNOTATION, ENVIRONMENTS, TASKS, environment_tools, episode_solved
+from agentrl.agent.tools import _ANNOTATION
 from agentrl.envs.openenv_client import OpenEnvError, remote_environment_class
 from agentrl.envs.openenv_server import JUDGE_TOOL, serve_in_thread
+from agentrl.envs.registry import ENVIRONMENTS, TASKS, environment_tools, episode_solved
 from conftest import mini_params, tiny_lm
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -129,18 +130,82 @@ def test_client_class_has_the_real_tools_and_plays_like_the_environment():
         countdown_server.stop()
 
 
-def test_a_lost_server_mid_episode_is_an_error_result_naming_the_url():
+def test_a_lost_server_mid_episode_breaks_the_episode_naming_the_url():
+    """A server gone mid-episode is EnvironmentLost naming the URL (TRL's loop reports a raising tool as a failed
+    call); in our loop the episode's result is an error and the episode is marked broken (issue 56 item 1: it was an
+    ordinary error answer, so a dead server looked like a policy that answers wrong)."""
+    from agentrl.envs.contract import EnvironmentLost
+
     server = serve_in_thread("countdown")
     cls = remote_environment_class(server.url, "countdown", None, timeout_s=2)
     env = cls()
     env.reset(numbers=[3, 5, 3], target=24)
     assert env.check("(3+5)*3") == "24 yes"
     server.stop()
-    out = env.check("3+5+3")
-    assert out.startswith(f"error: openenv server {server.url}: tool 'check': "), out
-    assert env.check("3") == out + " (the episode's session is closed)"  # the episode is over, not retried
+    with pytest.raises(EnvironmentLost, match=f"openenv server {server.url}: tool 'check': "):
+        env.check("3+5+3")
+    with pytest.raises(EnvironmentLost, match="the episode's session is closed"):  # over, not retried
+        env.check("3")
     with pytest.raises(OpenEnvError, match=f"openenv server {server.url}: reset: "):
         env.reset(numbers=[3, 5, 3], target=24)
+
+
+def test_a_stage_whose_episodes_lost_their_server_fails_naming_it(workdir, monkeypatch):
+    """Issue 56 item 1: with the OpenEnv server gone, `evaluate` exited 0 with accuracy 0 and tool_error_rate 0.
+    Now more broken episodes than agent.max_broken_share fail the stage with one line naming the count and the
+    first failure, before any metrics file is written; within the share they are counted in the metrics."""
+    import logging
+    import sys
+
+    import yaml
+
+    from agentrl.config import validate_params
+    from agentrl.stages import prepare
+    from agentrl.stages.evaluate import evaluate
+
+    p = mini_params()
+    runtime = {k: v for k, v in p["environments"]["countdown"].items() if k in TASKS["countdown"].ENV_DEFAULTS}
+    server = serve_in_thread("countdown", runtime)
+    p["agent"].update(tools=[], environment="countdown", environment_url=server.url)
+    p["environments"]["countdown"].update(num_train=8, num_test=6)
+    (workdir / "params.yaml").write_text(yaml.safe_dump(p))
+    prepare.prepare(validate_params(p))
+    tok, model = tiny_lm([json.dumps(p)] * 4, 300)
+    model.save_pretrained(workdir / "models/base")
+    tok.save_pretrained(workdir / "models/base")
+    ok = evaluate(validate_params(p), "base", log_to_trackers=False)
+    assert ok["broken_episodes"] == 0 and ok["broken_episode_rate"] == 0.0
+
+    from agentrl.stages import evaluate as stage
+
+    real = stage.toolset_from_params
+
+    def then_the_server_dies(*args, **kwargs):  # the stage has started and reached the server; then it is gone
+        toolset = real(*args, **kwargs)
+        server.stop()
+        return toolset
+
+    logged = []  # the stage's own log lines (its handler writes to the stderr of whichever test first made it)
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("agentrl.eval").addHandler(handler)
+    monkeypatch.setattr(stage, "toolset_from_params", then_the_server_dies)
+    monkeypatch.setattr(sys, "argv", ["evaluate", "--stage", "base", "--name", "gone"])
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            stage.main()
+        assert exit_info.value.code == 1 and exit_info.value.__suppress_context__  # one line, no traceback
+        last = logged[-1].getMessage()
+        assert "gone: 6 of 6 episodes had a broken environment (first: environment reset failed" in last, last
+        assert "agent.max_broken_share=0.01" in last
+        assert not (workdir / "metrics/eval_gone.json").exists()
+        monkeypatch.setattr(stage, "toolset_from_params", real)  # the server already gone at the stage's start
+        with pytest.raises(SystemExit) as exit_info:
+            stage.main()
+        assert exit_info.value.code == 1 and exit_info.value.__suppress_context__  # issue 56 item 8: no traceback
+        assert f"openenv server {server.url}: reading its tools (state)" in logged[-1].getMessage()
+    finally:
+        logging.getLogger("agentrl.eval").removeHandler(handler)
 
 
 def test_an_episode_collected_on_the_client_loops_thread_closes_its_session_without_blocking_the_loop():
@@ -258,6 +323,134 @@ def test_hostile_server_is_a_clear_error_naming_the_url_within_the_timeout(kind,
         stop()
     assert str(e.value).startswith(f"openenv server {url}: "), str(e.value)
     assert time.perf_counter() - t < 2 * timeout_s + 2
+
+
+def _post(url: str, path: str, body: bytes) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + path, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_the_server_answers_calls_out_of_order_bad_rows_and_huge_bodies_with_4xx():
+    """Issue 55 item 4: POST /step before any reset and /reset with a bad row answered 500 with a traceback in the
+    server's log; /reset and /step took 100 MB bodies (RSS 428 -> 1,618 MB). Now: 409, 422 naming why, 413."""
+    server = serve_in_thread("countdown")
+    try:
+        step = json.dumps({"action": {"tool": "check", "arguments": {"expression": "1+1"}}}).encode()
+        assert _post(server.url, "/step", step) == (
+            409,
+            '{"detail":"no episode: reset first (or the last reset failed)"}',
+        )
+        code, text = _post(server.url, "/reset", b'{"numbers": "x"}')
+        assert code == 422 and "reset refused the row: ValueError: countdown row: 'numbers' must be" in text, text
+        assert _post(server.url, "/reset", b'{"numbers": [3, 5, 3], "target": 24}')[0] == 200
+        import http.client
+        from urllib.parse import urlparse
+
+        where = urlparse(server.url)
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+        conn.putrequest("POST", "/reset")
+        conn.putheader("Content-Length", str(100 << 20))  # announced, never sent: refused before it is read
+        conn.endheaders()
+        answer = conn.getresponse()
+        assert answer.status == 413 and b"request body over 1048576 bytes" in answer.read()
+    finally:
+        server.stop()
+
+
+def test_a_streamed_body_past_the_limit_is_refused_without_reaching_the_app():
+    """The same limit for a body sent without Content-Length (chunked): counted as it is read."""
+    import asyncio
+
+    from agentrl.envs.openenv_server import _limit_bodies
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        reached.append(True)
+
+    async def receive():
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "headers": [(b"transfer-encoding", b"chunked")]}
+    asyncio.run(_limit_bodies(app, max_bytes=10_000)(scope, receive, send))
+    assert not reached and sent[0]["status"] == 413
+
+
+def test_a_failed_reset_ends_the_previous_episode():
+    """Issue 55 item 4: a reset that failed (seed "x") left the previous episode live; the next call continued it."""
+    from fastapi import HTTPException
+
+    from agentrl.envs.openenv_server import ServedEnvironment, ToolCallAction
+
+    env = ServedEnvironment("countdown", {})
+    env.reset(numbers=[3, 5, 3], target=24)
+    assert env.step(ToolCallAction(tool="check", arguments={"expression": "(3+5)*3"})).text == "24 yes"
+    with pytest.raises(HTTPException, match="reset refused the row"):
+        env.reset(numbers="x", target=24)
+    with pytest.raises(HTTPException, match="no episode"):
+        env.step(ToolCallAction(tool="check", arguments={"expression": "(3+5)*3"}))
+
+
+HOSTILE_TOOL_LISTS = {  # (a served tool spec, what the error says): each raised a raw exception without the URL
+    "a parameter named self": ({"name": "t", "parameters": [{"name": "self"}]}, "parameter name 'self'"),
+    "a parameter named a-b": ({"name": "t", "parameters": [{"name": "a-b"}]}, "parameter name 'a-b'"),
+    "a keyword as parameter": ({"name": "t", "parameters": [{"name": "class"}]}, "parameter name 'class'"),
+    "a default before a non-default": (
+        {"name": "t", "parameters": [{"name": "a", "default": 1}, {"name": "b"}]},
+        "not a valid signature",
+    ),
+    "a duplicate parameter": ({"name": "t", "parameters": [{"name": "a"}, {"name": "a"}]}, "not a valid signature"),
+    "parameters not a list": ({"name": "t", "parameters": "a"}, "'parameters' must be a list"),
+    "a parameter not an object": ({"name": "t", "parameters": ["a"]}, "'parameters' must be a list"),
+    "a parameter without a name": ({"name": "t", "parameters": [{"annotation": "str"}]}, "parameter name 'None'"),
+    "a 100,000-term annotation": (
+        {"name": "t", "parameters": [{"name": "a", "annotation": "+".join(["int"] * 100_000)}]},
+        "annotation is not a string of at most 200",
+    ),
+    "a tool named url": ({"name": "url"}, "the client's own attribute"),
+    "a tool named timeout_s": ({"name": "timeout_s"}, "the client's own attribute"),
+    "a tool named environment": ({"name": "environment"}, "the client's own attribute"),
+    "a tool named with a keyword": ({"name": "lambda"}, "not a usable tool name"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_TOOL_LISTS)
+def test_a_served_tool_list_is_untrusted_input_refused_naming_the_url_and_tool(case):
+    """Issue 55 item 5: a served tool list is validated as untrusted input; each of these raised a raw ValueError,
+    AttributeError, KeyError or RecursionError without the URL, or (a tool named url or timeout_s) shadowed the
+    client's own attribute so that every episode broke silently."""
+    from agentrl.envs.openenv_client import _tool_method
+
+    spec, says = HOSTILE_TOOL_LISTS[case]
+    with pytest.raises(OpenEnvError, match=says) as e:
+        _tool_method(spec, "http://h:1")
+    assert str(e.value).startswith(f"openenv server http://h:1: tool {spec['name']!r}"), str(e.value)
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), "1", True])
+def test_a_served_reward_that_is_not_a_finite_number_is_refused(reward):
+    """Issue 55 item 5: a NaN reward was accepted (one NaN makes every advantage of its GRPO group NaN)."""
+    from types import SimpleNamespace
+
+    from agentrl.envs.openenv_client import RemoteEnvironment
+
+    env = RemoteEnvironment()
+    env.url, env._lost = "http://h:1", None
+    env._session = SimpleNamespace(client=SimpleNamespace(step=None), call=lambda *a: SimpleNamespace(reward=reward))
+    with pytest.raises(OpenEnvError, match="openenv server http://h:1: tool 'act': reward .* not a finite number"):
+        env._step("act", {})
 
 
 def test_environment_url_is_validated_by_form_and_needs_an_environment():

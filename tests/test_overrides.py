@@ -15,8 +15,8 @@ MODULE = "src/agentrl/experiments/overrides.py"
 ELSEWHERE = {
     "src/agentrl/common.py:split_metrics": "a metrics file's headline keys, not params: every stage imports common, "
     "and overrides is no stage's dependency (dvc.yaml)",
-    "src/agentrl/config.py:_non_finite": "the schema's own walk for non-finite numbers: overrides imports config "
-    "(to read params as the stages do), so config cannot import it back",
+    "src/agentrl/passthrough.py:_non_finite": "the pass-through check's own walk for non-finite numbers: overrides "
+    "imports config (to read params as the stages do), which imports passthrough, so it cannot import it back",
 }
 
 

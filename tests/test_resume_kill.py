@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.common import write_checkpoint_checksums
 from conftest import mini_params, write_params
 
 STEP, EARLIER = 20, 10  # the newest checkpoint (cut short in each test) and the complete one before it
@@ -64,7 +65,16 @@ def write_checkpoint(output_dir: Path, step: int, max_steps: int = 40, ranks: in
         torch.save({"cpu": torch.random.get_rng_state()}, folder / name)
     torch.save({"args": "training arguments"}, folder / "training_args.bin")
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "max_steps": max_steps}))
+    write_checkpoint_checksums(folder)  # our callback's, after the Trainer's whole save
     return folder
+
+
+def flip_two_bytes(path: Path) -> None:
+    """Two bytes of the weights' data changed; the file keeps its size and a valid safetensors layout."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    data[-2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def cut(path: Path, keep: float) -> None:
@@ -89,6 +99,16 @@ SHAPES = {
     "weights header without offsets": (
         lambda c: (c / "adapter_model.safetensors").write_bytes(len(b'{"w":{}}').to_bytes(8, "little") + b'{"w":{}}'),
         "lays out no tensors",
+    ),
+    "checksums.json missing (killed before it)": (lambda c: remove(c / "checksums.json"), "checksums.json is missing"),
+    "checksums.json cut to half": (lambda c: cut(c / "checksums.json", 0.5), "checksums.json is cut short"),
+    "two bytes of the weights flipped": (
+        lambda c: flip_two_bytes(c / "adapter_model.safetensors"),
+        "adapter_model.safetensors does not match its sha256",
+    ),
+    "max_steps not a number": (
+        lambda c: (c / "trainer_state.json").write_text('{"global_step": 20, "max_steps": "abc"}'),
+        "max_steps 'abc'",
     ),
     "trainer_state.json of another step": (
         lambda c: (c / "trainer_state.json").write_text('{"global_step": 19, "max_steps": 40}'),
@@ -177,6 +197,7 @@ def test_save_only_model_checkpoints_need_no_optimizer(checkpoints, caplog):
     for folder in checkpoints.glob("checkpoint-*"):
         for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
             (folder / name).unlink()
+        write_checkpoint_checksums(folder)  # as the Trainer saved it: without them
     assert checkpoint_problem(checkpoints / f"checkpoint-{STEP}", model_only=True) is None
     assert "optimizer.pt is missing" in checkpoint_problem(checkpoints / f"checkpoint-{STEP}")
     remove(checkpoints / f"checkpoint-{STEP}/trainer_state.json")
@@ -365,3 +386,22 @@ def test_sft_killed_inside_and_between_saves_ends_with_the_uninterrupted_weights
 def test_grpo_killed_inside_and_between_saves_ends_with_the_uninterrupted_weights(prepared):
     train_in_process("sft")
     kill_and_resume_until_done("grpo", prepared, max_steps=5, save_steps=1)
+
+
+@pytest.mark.slow
+def test_grpo_killed_after_its_last_save_loads_it_instead_of_training_again(prepared):
+    """Issue 56 item 4: a kill after the last step's checkpoint is complete (models/grpo not yet written) used to
+    clear the checkpoints and train every step again; the re-run now loads the final checkpoint, trains no step
+    and saves the uninterrupted run's weights byte for byte."""
+    from agentrl.common import read_metrics
+
+    train_in_process("sft")
+    train_in_process("grpo")
+    reference = final_weights("grpo", prepared)
+    assert reference
+    shutil.rmtree(prepared / "models/grpo")
+    err = finish(run_stage("grpo", prepared))
+    m = read_metrics(prepared / "metrics/grpo_train.json")
+    assert m["resumed_from"].endswith("checkpoint-5") and m["steps"] == 5 and m["steps_this_run"] == 0, m
+    assert "ends a finished run" in err
+    assert final_weights("grpo", prepared) == reference

@@ -256,6 +256,23 @@ def test_import_paths_the_users_params_name_stay_usable(repo, fake):
     )
 
 
+def test_an_override_cannot_make_gymnasium_import_a_module(repo, fake):
+    """Issue 56 item 6: environments.gymnasium.env_id "this:FrozenLake-v1" (gymnasium imports `this` to make it)
+    was accepted by the agent API, outside the import allowlist; it is refused like a new module:function."""
+    before = snapshot(repo)
+    knobs = {"num_train": 8, "num_test": 4}
+    ov = {
+        "agent.environment": "gymnasium",
+        "agent.tools": [],
+        "environments.gymnasium": {**knobs, "env_id": "this:FrozenLake-v1"},
+    }
+    err = refused(run(repo, ov), "not_allowed", "environments.gymnasium.env_id")
+    assert "makes gymnasium import a module" in err["message"]
+    assert fake.calls == [] and snapshot(repo) == before
+    ov["environments.gymnasium"] = {**knobs, "env_id": "FrozenLake-v1"}
+    assert "error" not in run(repo, ov, name="probe2")
+
+
 def test_validation_imports_no_module(monkeypatch):
     """params naming an unimported module validate by form; the module is imported by the stage, not here."""
     raw = mini_params()
@@ -459,23 +476,26 @@ def fake_checkpoint(d: Path, step: int, max_steps: int) -> Path:
     return write_checkpoint(d, step, max_steps)
 
 
-def test_a_finished_checkpoint_is_not_resumed(tmp_path):
-    from agentrl.common import resumable_checkpoint
+def test_a_finished_checkpoint_is_kept_to_be_loaded_not_trained_past(tmp_path):
+    """Issue 56 item 4: a finished checkpoint (saved at max_steps) used to be cleared, so a kill after the last
+    step's save cost the whole stage; it is now returned and marked finished (training.train loads it)."""
+    from agentrl.common import finished_checkpoint, resumable_checkpoint
 
     d = tmp_path / "checkpoints/sft"
     d.mkdir(parents=True)
     (d / "fingerprint.txt").write_text("key\n")
     fake_checkpoint(d, 20, 40)
-    assert resumable_checkpoint(d, "key") == str(d / "checkpoint-20")  # unfinished: resumed
+    assert resumable_checkpoint(d, "key") == str(d / "checkpoint-20") and not finished_checkpoint(d / "checkpoint-20")
     fake_checkpoint(d, 40, 40)
-    assert resumable_checkpoint(d, "key") is None  # finished: trained again from the start
-    assert not list(d.glob("checkpoint-*")) and (d / "fingerprint.txt").read_text() == "key\n"
+    assert resumable_checkpoint(d, "key") == str(d / "checkpoint-40") and finished_checkpoint(d / "checkpoint-40")
 
 
 @pytest.mark.slow
-def test_rerunning_sft_with_its_final_checkpoint_trains_the_same_steps(workdir):
+def test_sft_killed_after_its_last_save_finishes_from_it_with_the_same_weights(workdir):
     """Issue 26 item 10: SFT re-run with its final checkpoint present used to log 'resuming from checkpoint-N'
-    and record N + 1 steps; now it trains from the start and records N."""
+    and record N + 1 steps. Issue 56 item 4: it then trained every step again instead; now, with models/sft gone
+    as a kill after the last save leaves it, the re-run loads checkpoint-N, trains no step, records N steps and
+    saves the uninterrupted run's weights byte for byte."""
     from agentrl.common import read_metrics
     from agentrl.config import load_params
     from agentrl.stages import base, prepare
@@ -488,15 +508,23 @@ def test_rerunning_sft_with_its_final_checkpoint_trains_the_same_steps(workdir):
     prepare.prepare(params)
     base.build_tiny(params)
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    for _ in range(2):
+    weights = []
+    for run in range(2):
         r = subprocess.run(
             [sys.executable, "-m", "agentrl.stages.sft"], cwd=workdir, env=env, capture_output=True, text=True
         )
         assert r.returncode == 0, r.stderr[-3000:]
         m = read_metrics(workdir / "metrics/sft_train.json")
-        assert m["steps"] == 6 and m["resumed_from"] is None, m
-        assert "resuming from" not in r.stderr
-    assert (workdir / "checkpoints/sft/checkpoint-6").is_dir()
+        assert m["steps"] == 6, m
+        files = sorted((workdir / "models/sft").glob("*.safetensors"))
+        weights.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files})
+        if run == 0:
+            assert m["resumed_from"] is None and m["steps_this_run"] == 6, m
+            shutil.rmtree(workdir / "models/sft")  # killed after the last save, before models/sft was written
+        else:
+            assert m["resumed_from"].endswith("checkpoint-6") and m["steps_this_run"] == 0, m
+            assert "ends a finished run" in r.stderr, r.stderr[-3000:]
+    assert weights[0] and weights[0] == weights[1]
 
 
 # ------------------------------------------------------------------------------------------------- the fuzz

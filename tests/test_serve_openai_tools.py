@@ -184,7 +184,7 @@ def client(base):
 
 
 def calculator(expression: str) -> str:
-    from agentrl.agent.tools import calculator as calc
+    from agentrl.envs.calculator import calculator as calc
 
     return calc(expression)
 

@@ -3,12 +3,13 @@
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from agentrl.agent.tools import Calculator
 from agentrl.common import read_metrics
+from agentrl.envs.calculator import Calculator
 from conftest import mini_params, tiny_lm, write_params
 
 
@@ -166,9 +167,10 @@ def test_evaluate_cli_quantize_int8_evaluates_the_quantized_policy(trained, monk
     assert len(rows) == 24
 
 
-def test_export_fails_when_the_merged_model_differs(trained, tmp_path, monkeypatch):
-    """The export failure path: a merged model whose logits differ from the adapter model's fails the stage
-    (exit status 1) and metrics/export.json records why."""
+@pytest.fixture
+def exported(trained, tmp_path, monkeypatch):
+    """A copy of the trained pipeline with a verified models/merged from export, marked so that a test can tell
+    whether it is still the previous model (issue 56 item 5)."""
     import shutil
 
     from agentrl.stages import export
@@ -176,6 +178,28 @@ def test_export_fails_when_the_merged_model_differs(trained, tmp_path, monkeypat
     work = tmp_path / "w"
     shutil.copytree(trained["dir"], work, ignore=shutil.ignore_patterns("wandb", "runs", "checkpoints"))
     monkeypatch.chdir(work)
+    export.export(trained["params"])
+    (work / "models/merged/PREVIOUS-MODEL").write_text("the model before the export under test\n")
+    return work
+
+
+def assert_previous_model_verified_and_in_place(work) -> None:
+    from agentrl.modeling import export_check_problem
+    from agentrl.serving.app import check_model_dir
+
+    merged = work / "models/merged"
+    assert (merged / "PREVIOUS-MODEL").is_file(), "the previous models/merged was removed or replaced"
+    assert json.loads((merged / "export_check.json").read_text())["passed"] is True
+    assert export_check_problem(merged) is None
+    check_model_dir(str(merged))
+
+
+def test_export_fails_when_the_merged_model_differs(exported, trained, monkeypatch):
+    """The export failure path: a merged model whose logits differ from the adapter model's fails the stage
+    (exit status 1), metrics/export.json records why, and (issue 56 item 5) the previous verified models/merged
+    stays in place with no unverified copy left behind; it used to be replaced by the unverified model."""
+    from agentrl.stages import export
+
     real_load_model = export.load_model
 
     def damaged(path, *a, **kw):  # what a broken merge would save: the weights are off
@@ -190,8 +214,95 @@ def test_export_fails_when_the_merged_model_differs(trained, tmp_path, monkeypat
     with pytest.raises(SystemExit) as exit_info:
         export.main()
     assert exit_info.value.code == 1
-    m = read_metrics(work / "metrics/export.json")
+    m = read_metrics(exported / "metrics/export.json")
     assert m["passed"] is False and m["max_abs_logit_diff"] > m["tolerance"], m
+    assert_previous_model_verified_and_in_place(exported)
+    assert not list((exported / "models").glob("*.partial")) and not list((exported / "models").glob("*.previous"))
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at a chosen point of export (nothing after it runs)."""
+
+
+def killed_after(real):
+    def hooked(*args, **kwargs):
+        real(*args, **kwargs)
+        raise Killed
+
+    return hooked
+
+
+def raise_killed(*args, **kwargs):
+    raise Killed
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "verifying the saved copy",
+        "writing GGUF files",
+        "after the swap, before removing the old copy",
+        "two-rename swap",
+    ],
+)
+def test_a_kill_anywhere_in_export_never_leaves_models_merged_missing_or_unverified(
+    point, exported, trained, monkeypatch
+):
+    """Issue 56 item 5: export used to remove models/merged first, so a kill then lost the previous model. Now a
+    kill at any point leaves a verified models/merged (the previous one until the new one has passed), and the
+    next export finishes with the uninterrupted run's files and no staging folder left."""
+    from agentrl.modeling import export_check_problem
+    from agentrl.stages import export
+
+    def digest(folder):
+        return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "PREVIOUS-MODEL"}
+
+    reference = digest(exported / "models/merged")
+    with monkeypatch.context() as patch:
+        if point == "verifying the saved copy":
+            patch.setattr(export, "load_model", raise_killed)
+        elif point == "writing GGUF files":
+            patch.setattr(export, "export_gguf", raise_killed)
+        elif point == "after the swap, before removing the old copy":
+            patch.setattr(export, "exchange_names", killed_after(export.exchange_names))
+        else:  # no atomic exchange (macOS, some file systems): killed between the two renames
+            patch.setattr(export, "exchange_names", lambda a, b: False)
+            real_rename = Path.rename
+
+            def rename_then_die_before_the_second(self, target):
+                moved = real_rename(self, target)
+                if str(target).endswith(".previous"):
+                    raise Killed
+                return moved
+
+            patch.setattr(Path, "rename", rename_then_die_before_the_second)
+        with pytest.raises(Killed):
+            export.export(trained["params"])
+    merged = exported / "models/merged"
+    if point == "two-rename swap":  # the one moment the old copy is only at models/merged.previous
+        assert not merged.exists() and (exported / "models/merged.previous/PREVIOUS-MODEL").is_file()
+    elif point.startswith("after the swap"):
+        assert export_check_problem(merged) is None and digest(merged) == reference  # the new, verified model
+    else:
+        assert_previous_model_verified_and_in_place(exported)
+    export.export(trained["params"])
+    assert export_check_problem(merged) is None and digest(merged) == reference
+    assert not list((exported / "models").glob("*.partial")) and not list((exported / "models").glob("*.previous"))
+
+
+def test_serve_refuses_a_model_whose_export_check_did_not_pass(exported):
+    """`make serve` loads nothing export did not verify: a copy whose export_check.json says failed or unfinished
+    (what a kill inside export leaves in models/merged.partial) is refused, naming the file."""
+    import shutil
+
+    from agentrl.serving.app import check_model_dir
+
+    copy = exported / "models/copy"
+    shutil.copytree(exported / "models/merged", copy)
+    for verdict, says in ((False, "failed"), (None, "did not finish")):
+        (copy / "export_check.json").write_text(json.dumps({"passed": verdict}))
+        with pytest.raises(ValueError, match=f"export_check.json: export's merge check {says}"):
+            check_model_dir(str(copy))
 
 
 def test_wandb_offline_run_carries_params_and_no_secret(trained, monkeypatch):

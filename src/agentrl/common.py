@@ -72,6 +72,7 @@ _EVAL_HEADLINE = (
     "tool_use_rate",
     "tool_calls_per_problem",
     "tool_error_rate",
+    "broken_episodes",  # episodes whose environment failed (agent.max_broken_share): not the policy's wrong answers
     "mean_turns",  # environment episodes (agent.environment): tool calls per episode, and the feedback-use
     "recovered_share",  # figure: share of solved episodes that recovered from a failed try
     "accuracy_by_environment",  # a mixture of tasks (envs/mixture.py): n, accuracy and CI per task
@@ -181,14 +182,19 @@ def torch_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[resolve_precision(precision)]
 
 
-def file_digest(path: str | Path) -> str:
+def file_sha256(path: str | Path) -> str:
     import hashlib
 
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
         for chunk in iter(lambda: stream.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    """A short digest of the file's bytes (the first 16 hex digits of its sha256), for fingerprints."""
+    return file_sha256(path)[:16]
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -357,16 +363,56 @@ def checkpoint_problem(checkpoint: str | Path, model_only: bool = False, extra_f
     state = checkpoint / TRAINER_STATE_NAME
     if problem := file_problem(state):
         return problem + " (the Trainer writes it last: the save did not finish)"
-    recorded = json.loads(state.read_text())
-    recorded = recorded.get("global_step") if isinstance(recorded, dict) else recorded
-    if recorded != step:
+    fields = json.loads(state.read_text())
+    if not isinstance(fields, dict):
+        return f"{TRAINER_STATE_NAME} holds {fields!r}, not the Trainer's state object"
+    if (recorded := fields.get("global_step")) != step:
         return f"{TRAINER_STATE_NAME} records global_step {recorded}, not {step}"
+    if not isinstance(fields.get("max_steps", 0), int):  # finished_checkpoint compares it with global_step
+        return f"{TRAINER_STATE_NAME} records max_steps {fields['max_steps']!r}, not a number of steps"
     rng = ["rng_state.pth"] if world_size() <= 1 else [f"rng_state_{rank}.pth" for rank in range(world_size())]
     missing = [n for n in ([] if model_only else rng) + list(extra_files) if not (checkpoint / n).is_file()]
     problem = _weight_problem(checkpoint) or (None if model_only else _optimizer_problem(checkpoint))
     problem = problem or (f"{', '.join(missing)} missing" if missing else None)
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
-    return problem or next((p for p in map(file_problem, files) if p), None)
+    return problem or next((p for p in map(file_problem, files) if p), None) or checksum_problem(checkpoint)
+
+
+CHECKSUMS = "checksums.json"
+
+
+def write_checkpoint_checksums(checkpoint: str | Path) -> None:
+    """checkpoint/checksums.json: the sha256 of every file the Trainer wrote there, written last (after the whole
+    save), so that a checkpoint counts as complete only with it and a file changed on disk since (a flipped
+    byte, a partial copy) is caught on resume (checksum_problem)."""
+    checkpoint = Path(checkpoint)
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    sums = {p.relative_to(checkpoint).as_posix(): file_sha256(p) for p in files}
+    with atomic_write(checkpoint / CHECKSUMS) as out:
+        json.dump(sums, out, indent=1)
+
+
+def checksum_problem(checkpoint: Path) -> Optional[str]:
+    """Why checkpoint/checksums.json does not vouch for the folder (missing: the save did not finish; a listed
+    file missing or with another sha256: changed since it was saved), or None."""
+    record = checkpoint / CHECKSUMS
+    if not record.is_file():
+        return f"{CHECKSUMS} is missing (written after every other file: the save did not finish)"
+    try:
+        sums = json.loads(record.read_text())
+    except ValueError:
+        return f"{CHECKSUMS} is cut short or not JSON"
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        return f"{CHECKSUMS} is not an object of file names and sha256 digests"
+    for name, digest in sums.items():
+        path = checkpoint / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{CHECKSUMS} lists {name!r}, outside the checkpoint"
+        if not path.is_file():
+            return f"{name} is missing (listed in {CHECKSUMS})"
+        if file_sha256(path) != digest:
+            return f"{name} does not match its sha256 in {CHECKSUMS} (changed or corrupted since it was saved)"
+    return None
 
 
 def _last_complete_checkpoint(output_dir: Path, model_only: bool, extra_files: tuple) -> Optional[Path]:
@@ -397,10 +443,10 @@ def resumable_checkpoint(
     output_dir: str | Path, key: str, model_only: bool = False, extra_files: tuple = ()
 ) -> Optional[str]:
     """The last complete checkpoint in output_dir (checkpoint_problem; incomplete newer ones are removed with a
-    warning) if it was written by a run with the same fingerprint `key` and training had not finished there;
-    otherwise the directory is cleared: a changed config must not resume a stale run, and a finished checkpoint
-    (global_step >= max_steps in its trainer_state.json) is no run to resume: the Trainer would take one step
-    past max_steps and record it. The stage then trains from the start.
+    warning) if it was written by a run with the same fingerprint `key`; otherwise the directory is cleared (a
+    changed config must not resume a stale run) and the stage trains from the start. A finished checkpoint
+    (finished_checkpoint: a kill came after the last step's save) is returned too: training.train loads it
+    instead of training again.
 
     With several processes call it inside `args.main_process_first(local=False)`: rank 0 clears a stale
     directory and writes the new fingerprint before the other ranks look, so all ranks agree.
@@ -420,12 +466,6 @@ def resumable_checkpoint(
     stamp = output_dir / "fingerprint.txt"
     stale = output_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != key)
     last = _last_complete_checkpoint(output_dir, model_only, extra_files) if output_dir.is_dir() and not stale else None
-    if last:
-        state = json.loads((last / "trainer_state.json").read_text())
-        if 0 < int(state.get("max_steps") or 0) <= int(state.get("global_step") or 0):
-            msg = "%s ends a finished run (max_steps reached): training from the start"
-            logging.getLogger("agentrl").info(msg, last)
-            stale, last = True, None
     if stale and is_main_process():
         shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -433,6 +473,13 @@ def resumable_checkpoint(
         with atomic_write(stamp) as out:  # a kill while writing it must not leave a stamp that matches nothing
             out.write(key + "\n")
     return str(last) if last else None
+
+
+def finished_checkpoint(checkpoint: str | Path) -> bool:
+    """Whether a complete checkpoint was saved at its run's last step (global_step >= max_steps): resuming it
+    with the Trainer would take one step past max_steps, so training.train loads it instead."""
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return 0 < state.get("max_steps", 0) <= state["global_step"]
 
 
 def usable_cpus() -> int:

@@ -1,17 +1,14 @@
-"""Typed schema of params.yaml: the project's own knobs live here; TRL's and PEFT's are passed through.
+"""Typed schema of params.yaml and its strict loader: the project's own knobs live here; TRL's and PEFT's pass
+through (passthrough.py), and whether the model fits the machine is sizing.py's.
 
-Each stage calls `load_params()` first. Unknown keys (typos), wrong types and out-of-range values
-stop the stage with one message naming the key path and what was expected, before any data or
-model is touched. `sft.trainer` / `grpo.trainer` / `*.lora` hand their keys to trl.SFTConfig /
-trl.GRPOConfig / peft.LoraConfig unchanged (PASSTHROUGH); their keys are checked against those
-dataclasses' own fields and annotations (an unknown one names the closest valid name), and values the
-stage derives (DERIVED) cannot be set there. The YAML is read strictly: a duplicate key is an error,
-types are not coerced ("150" is no number, true is no int) and .inf/.nan are rejected.
+Each stage calls `load_params()` first. Unknown keys (typos), wrong types and out-of-range values stop the stage
+with one message naming the key path and what was expected, before any data or model is touched. The YAML is read
+strictly: a duplicate key is an error, types are not coerced ("150" is no number, true is no int) and .inf/.nan are
+rejected.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -19,6 +16,9 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+
+from .passthrough import passthrough_errors
+from .sizing import check_model_fits
 
 PARAMS_FILE = "params.yaml"
 
@@ -30,6 +30,9 @@ IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 ACCELERATE_CONFIG = re.compile(
     r"configs/accelerate/(?:[A-Za-z0-9_-][A-Za-z0-9_.-]*/)*[A-Za-z0-9_-][A-Za-z0-9_.-]*\.ya?ml"
 )
+# the built-in rewards (agent/rewards.py REGISTRY; a test keeps the two equal): a misspelt one is refused here, not
+# at eval_base or grpo
+REWARD_NAMES = ("accuracy", "format", "length_penalty", "step")
 MAX_WEIGHT = 1e6  # |reward weight|, step-distribution weight
 
 
@@ -90,6 +93,9 @@ class DataParams(Strict):
     strip_calculator_annotations: Union[Literal["auto"], StrictBool]
     calculator_share: float = Field(ge=0, le=1)  # share of kept-annotation training solutions that call the tool
     on_bad_rows: Literal["error", "drop"]
+    # an environment's held-out instances must not be trained on (prepare refuses them, naming the first); true
+    # lets such rows through, counted in metrics/prepare.json's overlap
+    allow_test_overlap: StrictBool
     system_prompt: str
     synthetic: SyntheticParams
 
@@ -125,145 +131,6 @@ class PretrainParams(Strict):
     learning_rate: float = Field(gt=0, le=1)
     batch_size: int = Field(ge=1, le=65536)
     block_size: int = Field(ge=16, le=1_048_576)
-
-
-# What the machine can hold: a model whose estimated memory exceeds all of it is refused at validation, before a
-# download or an allocation (model.tiny at its maxima is 5.3e12 parameters; a 405B hub id on a CPU machine used to
-# start downloading). Estimates are lower bounds; a size that cannot be known offline is not checked.
-ALLOW_LARGE_MODEL_ENV = "AGENTRL_ALLOW_LARGE_MODEL"  # =1: skip the check (a machine this code cannot measure)
-TRAIN_BYTES_PER_PARAM = 16  # full fp32 training with AdamW: weights, gradients and two moments, 4 bytes each
-BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}  # a hub model's weights in the training dtype
-# a parameter count in a hub id's name: Qwen3-0.6B, Llama-3.1-405B, SmolLM2-135M, Mixtral-8x7B (8 x 7B)
-SIZE_IN_NAME = re.compile(r"(?<![A-Za-z0-9.])(?:(\d{1,4})x)?(\d{1,6}(?:\.\d{1,4})?)([MBT])(?![A-Za-z0-9])", re.I)
-_SIZE_UNITS = {"m": 1e6, "b": 1e9, "t": 1e12}
-MAX_SAFETENSORS_HEADER = 100 << 20  # a header claiming more is not a safetensors file
-
-
-def tiny_parameter_count(tiny: "TinyModelParams") -> int:
-    """The parameters of modeling.build_tiny_model's Qwen3 (tied embeddings, no attention bias), from the params.
-
-    Args:
-        tiny: the model.tiny section (vocab_size as asked; the trained tokenizer adds at most a few tokens).
-
-    Returns:
-        The exact count for a vocabulary of tiny.vocab_size tokens.
-    """
-    attention = 2 * tiny.hidden_size * tiny.head_dim * (tiny.num_attention_heads + tiny.num_key_value_heads)  # q o, k v
-    per_layer = (
-        attention + 2 * tiny.head_dim + 3 * tiny.hidden_size * tiny.intermediate_size + 2 * tiny.hidden_size
-    )  # + norms
-    return tiny.vocab_size * tiny.hidden_size + tiny.num_hidden_layers * per_layer + tiny.hidden_size
-
-
-def _safetensors_parameters(path: Path) -> Optional[int]:
-    """The parameter count a safetensors file's header declares (only the header is read), None if unreadable."""
-    import json
-    import math
-
-    try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= MAX_SAFETENSORS_HEADER:
-                return None
-            header = json.loads(f.read(size))
-        return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-
-
-def known_parameter_count(base_model: str) -> tuple[Optional[int], str]:
-    """What can be known offline of a model's size: a local directory's safetensors headers, else a size written in
-    the hub id's name (the largest, e.g. Qwen3-30B-A3B -> 30B). (None, reason) when neither says.
-
-    Args:
-        base_model: model.base_model (a hub id or a local directory).
-
-    Returns:
-        (parameter count or None, where the count comes from).
-    """
-    path = Path(base_model)
-    try:
-        is_dir = path.is_dir()
-    except OSError:  # a name the filesystem cannot hold (ENAMETOOLONG, ...) is no local copy
-        is_dir = False
-    if is_dir:
-        files = sorted(path.glob("*.safetensors"))
-        counts = [_safetensors_parameters(f) for f in files]
-        if files and None not in counts:
-            return sum(counts), f"the safetensors headers in {path}"
-        return None, f"{path} has no readable safetensors files"
-    sizes = [
-        int(m.group(1) or 1) * float(m.group(2)) * _SIZE_UNITS[m.group(3).lower()]
-        for m in SIZE_IN_NAME.finditer(base_model.rsplit("/", 1)[-1])
-    ]
-    if sizes:
-        return int(max(sizes)), "the size in its name"
-    return None, "no size in its name and no local copy"
-
-
-def ram_bytes() -> int:
-    """The machine's physical memory, capped by a cgroup v2 limit (a container's) where one is set."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-    except OSError:
-        return total
-    return min(total, int(limit)) if limit.isdigit() else total
-
-
-def gpu_bytes() -> int:
-    """The memory of every visible CUDA device together (0 without one). Imports torch: called only for a model
-    that does not fit in RAM, so validating ordinary params never loads it."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    return sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
-
-
-def _allow_large_model() -> bool:
-    value = os.environ.get(ALLOW_LARGE_MODEL_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"environment variable {ALLOW_LARGE_MODEL_ENV} must be 1 (skip the check) or 0, got {value!r}")
-    return value == "1"
-
-
-def check_model_fits(model: "ModelParams") -> None:
-    """ValueError when the model's estimated memory exceeds all the machine has (RAM, plus the GPUs' memory when
-    there are GPUs): model.tiny trained in fp32 with AdamW, or a hub/local model's weights in the training dtype
-    (precision auto: fp32 without a GPU, bf16 with one). A size not knowable offline is not checked.
-
-    Args:
-        model: the model section of params.
-    """
-    if _allow_large_model():
-        return
-    if model.base_model == "tiny":
-        parameters = tiny_parameter_count(model.tiny)
-        need_with_gpu = need_cpu = parameters * TRAIN_BYTES_PER_PARAM
-        what = f"model.tiny: {parameters:,} parameters need ~{need_cpu / 1e9:,.1f} GB to train in fp32 with AdamW"
-    else:
-        parameters, how = known_parameter_count(model.base_model)
-        if parameters is None:
-            return
-        # precision auto: fp32 on a CPU, bf16 (2 bytes) on a GPU
-        bytes_cpu, bytes_gpu = BYTES_PER_PARAM.get(model.precision, 4), BYTES_PER_PARAM.get(model.precision, 2)
-        need_cpu, need_with_gpu = parameters * bytes_cpu, parameters * bytes_gpu
-        what = (
-            f"model.base_model: {model.base_model} has ~{parameters:,.0f} parameters ({how}), "
-            f"~{need_cpu / 1e9:,.1f} GB of weights in {model.precision if model.precision != 'auto' else 'fp32'}"
-        )
-    ram = ram_bytes()
-    if need_cpu <= ram:
-        return
-    gpu = gpu_bytes()
-    if gpu and need_with_gpu <= ram + gpu:
-        return
-    has = f"{ram / 1e9:,.1f} GB of RAM" + (f" and {gpu / 1e9:,.1f} GB of GPU memory" if gpu else " and no GPU")
-    raise ValueError(
-        f"{what}, more than this machine's {has}; use a smaller model, or on a machine this check cannot "
-        f"measure set {ALLOW_LARGE_MODEL_ENV}=1"
-    )
 
 
 class ModelParams(Strict):
@@ -322,12 +189,10 @@ class GRPOParams(Strict):
     def _rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
         if not rewards:
             raise ValueError("needs at least one reward {name: weight}")
-        for (
-            name,
-            weight,
-        ) in rewards.items():  # checked by form, never imported here (rewards.get_reward names unknown ones)
-            if not re.fullmatch(r"[A-Za-z_]\w*", name) and not IMPORT_PATH.fullmatch(name):
-                raise ValueError(f"reward '{name}' is neither a registry name nor 'module:function'")
+        for name, weight in rewards.items():  # a module:function is checked by form, imported by the stage
+            if name not in REWARD_NAMES and not IMPORT_PATH.fullmatch(name):
+                known = ", ".join(REWARD_NAMES)
+                raise ValueError(f"unknown reward '{name}'; known: {known} (or a custom one as 'module:function')")
             if abs(weight) > MAX_WEIGHT:
                 raise ValueError(f"weight of '{name}' must be in [-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}], got {weight!r}")
         return rewards
@@ -412,6 +277,9 @@ class AgentParams(Strict):
     # agent.environment played over OpenEnv (envs/openenv_client.py): null = in-process | "http://host:port" (a
     # `make env-server`) | serve (the stage starts one on a free 127.0.0.1 port); data and solved rule stay its own
     environment_url: Optional[str]
+    # the share of a stage's episodes whose environment may fail (reset failed, a tool hung, its server gone) before
+    # the stage fails naming the first failure; below it they are counted (broken_episode_rate), never scored wrong
+    max_broken_share: float = Field(ge=0, le=1)
 
     @field_validator("environment_url")
     @classmethod
@@ -432,29 +300,16 @@ class AgentParams(Strict):
     @field_validator("environment")
     @classmethod
     def _environment(cls, value: Optional[str]) -> Optional[str]:
-        from .envs.registry import ENVIRONMENTS
+        from .envs.registry import check_environment_name
 
-        if value is None or value in ENVIRONMENTS:
-            return value
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):  # checked by form here, imported by the stage
-            raise ValueError(
-                f"unknown environment '{value}'; known: {', '.join(sorted(ENVIRONMENTS))} "
-                "(or a custom one as 'module:Class')"
-            )
-        return value
+        return check_environment_name(value)
 
     @field_validator("tools")
     @classmethod
     def _tools(cls, value: list[str]) -> list[str]:
-        from .envs.registry import TOOLS
+        from .envs.registry import check_tool_names
 
-        for name in value:  # checked by form, never imported here (validation runs no module's code); the stage imports
-            if name not in TOOLS and not IMPORT_PATH.fullmatch(name):
-                known = ", ".join(sorted(TOOLS))
-                raise ValueError(f"unknown tool '{name}'; known: {known} (or a custom one as 'module:function')")
-        if len(set(value)) != len(value):
-            raise ValueError("a tool is listed twice")
-        return value
+        return check_tool_names(value)
 
 
 class Params(Strict):
@@ -477,32 +332,10 @@ class Params(Strict):
     @field_validator("environments")
     @classmethod
     def _environments(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        from .envs.registry import TASKS
+        from .envs.registry import check_environment_knobs
 
         for name, knobs in value.items():
-            if name not in TASKS:
-                raise ValueError(f"unknown environment '{name}'; built-ins with knobs: {', '.join(sorted(TASKS))}")
-            defaults = {"num_train": 1, "num_test": 1, **TASKS[name].GEN_DEFAULTS, **TASKS[name].ENV_DEFAULTS}
-            missing = sorted({"num_train", "num_test"} - set(knobs or {}))
-            if missing:
-                raise ValueError(f"{name}: missing {', '.join(missing)} (how many train / held-out instances)")
-            for k, val in (knobs or {}).items():
-                if k not in defaults:
-                    raise ValueError(f"{name}.{k}: unknown knob; known: {', '.join(sorted(defaults))}")
-                want = type(defaults[k])
-                ok = (
-                    isinstance(val, bool)
-                    if want is bool
-                    else isinstance(val, (int, float)) and not isinstance(val, bool)
-                    if want in (int, float)
-                    else isinstance(val, want)
-                )
-                if not ok or (want is int and not isinstance(val, int)):
-                    raise ValueError(f"{name}.{k}: expected {want.__name__}, got {val!r}")
-                if k in ("num_train", "num_test") and not 1 <= val <= 1_000_000:
-                    raise ValueError(f"{name}.{k}: must be in 1..1000000, got {val}")
-            if callable(check_knobs := getattr(TASKS[name], "check_knobs", None)):  # the module's own deeper checks
-                check_knobs(knobs or {})  # (envs/contract.py KnobCheckingTask): ValueError naming environments.<name>.*
+            check_environment_knobs(name, knobs or {})
         return value
 
     @model_validator(mode="after")
@@ -524,203 +357,6 @@ class Params(Strict):
 
 class ParamsError(ValueError):
     """params.yaml is invalid; the message names every offending key path."""
-
-
-# ------------------------------------------------------------------------- pass-through sections
-# Each of these params sections is handed to a TRL/PEFT dataclass as keyword arguments, unchanged.
-PASSTHROUGH = {
-    "sft.trainer": ("trl", "SFTConfig"),
-    "grpo.trainer": ("trl", "GRPOConfig"),
-    "sft.lora": ("peft", "LoraConfig"),
-    "grpo.lora": ("peft", "LoraConfig"),
-}
-# Arguments the stage derives from other params. Setting one in the pass-through section is an error that
-# says where it comes from. (`learning_rate` is not here: the trainer's value is the reference learning
-# rate that distributed.scale_lr scales for the effective batch.)
-_TRAINER_DERIVED = {
-    "output_dir": "set by the stage (checkpoints/<stage>/; the result is saved to models/<stage>/)",
-    "seed": "set by the stage from 'seed'",
-    "data_seed": "set by the stage from 'seed'",
-    "bf16": "set by the stage from 'model.precision'",
-    "fp16": "set by the stage from 'model.precision'",
-    "use_cpu": "set by the stage from the device and 'distributed.*' (multi-process CPU runs)",
-    "ddp_backend": "set by the stage from the device and 'distributed.*' (gloo on CPU)",
-    "report_to": "set by the stage from 'tracking.report_to'",
-    "run_name": "set by the stage from the DVC experiment name (see 'tracking')",
-    "logging_dir": "set by the stage (runs/<stage>/; see 'tracking.report_to')",
-    "deepspeed": "set by the launcher from 'distributed.accelerate_config'",
-    "fsdp": "set by the launcher from 'distributed.accelerate_config'",
-    "fsdp_config": "set by the launcher from 'distributed.accelerate_config'",
-    "resume_from_checkpoint": "set by the stage (it resumes checkpoints/<stage>/ when the run's fingerprint matches)",
-    "model_init_kwargs": (
-        "set by the stage, which loads the model, from 'model.precision' and 'model.attn_implementation'"
-    ),
-}
-# Upper bounds (absolute value) on the pass-through arguments that size a run: steps, batches, lengths, rates.
-# TRL/PEFT accept any number; 1e15 steps or a learning rate of 1e308 is a typo or an attack, not a run.
-PASSTHROUGH_BOUNDS = {
-    "max_steps": 10_000_000,
-    "num_train_epochs": 10_000,
-    "warmup_steps": 10_000_000,
-    "logging_steps": 10_000_000,
-    "save_steps": 10_000_000,
-    "eval_steps": 10_000_000,
-    "save_total_limit": 10_000,
-    "per_device_train_batch_size": 65_536,
-    "per_device_eval_batch_size": 65_536,
-    "gradient_accumulation_steps": 65_536,
-    "steps_per_generation": 65_536,
-    "generation_batch_size": 1_048_576,
-    "num_generations": 4096,
-    "num_iterations": 10_000,
-    "max_length": 1_048_576,
-    "max_prompt_length": 1_048_576,
-    "max_completion_length": 1_048_576,
-    "dataloader_num_workers": 256,
-    "learning_rate": 10.0,
-    "weight_decay": 1000.0,
-    "max_grad_norm": 1e6,
-    "temperature": 100.0,
-    "top_k": 1_000_000,
-    "beta": 1e6,
-    "r": 65_536,
-    "lora_alpha": 1e6,
-}
-DERIVED = {
-    "sft.trainer": _TRAINER_DERIVED,
-    "grpo.trainer": {**_TRAINER_DERIVED, "reward_weights": "set by the stage from 'grpo.rewards'"},
-    "sft.lora": {"task_type": "set by the stage (CAUSAL_LM)"},
-    "grpo.lora": {"task_type": "set by the stage (CAUSAL_LM)"},
-}
-
-
-def passthrough_class(path: str) -> type:
-    import importlib
-
-    module, name = PASSTHROUGH[path]
-    return getattr(importlib.import_module(module), name)
-
-
-def _init_fields(cls: type) -> dict:
-    import dataclasses
-
-    return {f.name: f for f in dataclasses.fields(cls) if f.init}
-
-
-_ADAPTERS: dict = {}
-
-
-def _type_error(cls: type, name: str, value: Any) -> Optional[str]:
-    """None when `value` fits the dataclass field's annotation (strictly: "150" is no int, true no number)."""
-    import typing
-
-    from pydantic import TypeAdapter
-
-    key = (cls, name)
-    if key not in _ADAPTERS:
-        try:
-            hint = typing.get_type_hints(cls)[name]
-            _ADAPTERS[key] = (
-                hint,
-                TypeAdapter(hint, config=ConfigDict(strict=True, allow_inf_nan=False, arbitrary_types_allowed=True)),
-            )
-        except Exception:  # an annotation pydantic cannot check: the dataclass itself checks it at build time
-            _ADAPTERS[key] = (None, None)
-    hint, adapter = _ADAPTERS[key]
-    if adapter is None:
-        return None
-    try:
-        adapter.validate_python(value)
-    except ValidationError:
-        shown = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-        return f"expected {shown}, as {cls.__name__} declares it (got {value!r})"
-    return None
-
-
-def _non_finite(value: Any, path: str) -> list[str]:
-    import math
-
-    if isinstance(value, float) and not math.isfinite(value):
-        return [f"{path}: must be a finite number (got {value!r})"]
-    if isinstance(value, dict):
-        return [e for k, v in value.items() for e in _non_finite(v, f"{path}.{k}")]
-    if isinstance(value, list):
-        return [e for i, v in enumerate(value) for e in _non_finite(v, f"{path}.{i}")]
-    return []
-
-
-def passthrough_errors(raw: dict) -> list[str]:
-    """Key-by-key check of the pass-through sections: derived keys, unknown keys (with the closest valid
-    name), value types from the dataclass's own annotations, finite numbers; LoraConfig is also built (cheap,
-    no side effects). SFTConfig/GRPOConfig are built by the stage first thing (building one initialises the
-    accelerate state), so their cross-field checks stop the stage before it loads anything."""
-    import difflib
-
-    errors = []
-    for path in PASSTHROUGH:
-        section, sub = path.split(".")
-        values = (raw.get(section) or {}).get(sub) if isinstance(raw.get(section), dict) else None
-        if not isinstance(values, dict):
-            continue  # missing or not a mapping: the schema reports it
-        cls = passthrough_class(path)
-        fields = _init_fields(cls)
-        before = len(errors)
-        for key, value in values.items():
-            where = f"{path}.{key}"
-            if key in DERIVED[path]:
-                errors.append(f"{where}: {DERIVED[path][key]}; remove it here")
-            elif key not in fields:
-                close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                errors.append(f"{where}: unknown argument of {cls.__name__}{hint}")
-            elif nf := _non_finite(value, where):
-                errors += nf
-            elif (msg := _type_error(cls, key, value)) is not None:
-                errors.append(f"{where}: {msg}")
-            elif (
-                key in PASSTHROUGH_BOUNDS
-                and isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and abs(value) > PASSTHROUGH_BOUNDS[key]
-            ):
-                errors.append(f"{where}: must be at most {PASSTHROUGH_BOUNDS[key]:,} in size (got {value!r})")
-        for key in ("learning_rate", "r"):  # zero trains nothing (lr) or fails deep inside PEFT (r); TRL/PEFT accept it
-            setting = values.get(key)
-            if len(errors) == before and isinstance(setting, (int, float)) and setting <= 0:
-                errors.append(f"{path}.{key}: must be > 0 (got {setting!r})")
-        if len(errors) == before and cls.__name__ == "LoraConfig":
-            try:
-                build_passthrough(path, values)
-            except ParamsError as e:
-                errors.append(str(e))
-    return errors
-
-
-def build_passthrough(path: str, values: dict, **derived):
-    """`cls(**values, **derived)` for the pass-through section `path` (a deep copy of the values: the
-    dataclass never edits params). A value the dataclass rejects is a ParamsError naming the section."""
-    import copy
-
-    cls = passthrough_class(path)
-    if cls.__name__ == "LoraConfig":
-        derived = {"task_type": "CAUSAL_LM", **derived}
-    clash = sorted(set(values) & set(derived))
-    if clash:
-        raise ParamsError(f"{path}.{clash[0]}: {DERIVED[path].get(clash[0], 'set by the stage')}; remove it here")
-    try:
-        return cls(**copy.deepcopy(values), **derived)
-    except (TypeError, ValueError) as e:
-        raise ParamsError(f"{path}: {cls.__name__} rejected the configuration: {e}") from None
-
-
-def passthrough_value(path: str, values: dict, name: str) -> Any:
-    """A pass-through argument as the dataclass will see it: the params value, else the dataclass default."""
-    import dataclasses
-
-    if name in values:
-        return values[name]
-    field = _init_fields(passthrough_class(path))[name]
-    return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
 def _describe(err: dict[str, Any]) -> str:

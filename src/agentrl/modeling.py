@@ -17,10 +17,31 @@ from typing import Iterable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from .config import TinyModelParams, build_passthrough
+from .config import TinyModelParams
+from .passthrough import build_passthrough
 
 MODELS = Path("models")
 STAGE_DIRS = {"base": MODELS / "base", "sft": MODELS / "sft", "grpo": MODELS / "grpo", "merged": MODELS / "merged"}
+EXPORT_CHECK = "export_check.json"  # export's verdict on the model files beside it (stages/export.py)
+
+
+def export_check_problem(directory: str | Path) -> Optional[str]:
+    """Why a model directory that export wrote must not be used: its export_check.json says the merge check failed
+    or never finished (a kill inside export leaves models/merged.partial so); None for a verified model or a
+    directory export did not write (no such file)."""
+    import json
+
+    record = Path(directory) / EXPORT_CHECK
+    if not record.is_file():
+        return None
+    try:
+        passed = json.loads(record.read_text()).get("passed")
+    except (ValueError, AttributeError):
+        passed = None
+    if passed is True:
+        return None
+    return f"{record}: export's merge check {'failed' if passed is False else 'did not finish'}; not a verified model"
+
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"

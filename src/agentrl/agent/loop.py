@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .tools import Calculator, Episode, Toolset, split_annotated
+from ..envs.calculator import Calculator
+from .tools import Episode, Toolset, split_annotated
 
 PRUNE_SHARE = 0.5
 
@@ -53,6 +54,27 @@ class Rollout:
     @property
     def tool_errors(self) -> int:
         return sum(not c["ok"] for c in self.calls)
+
+    @property
+    def broken(self) -> Optional[str]:
+        """Why the episode's environment failed (reset failed, a tool hung, its server gone), or None: such a
+        completion is not the policy's wrong answer (check_broken_episodes)."""
+        return self.episode.broken if self.episode is not None else None
+
+
+class BrokenEnvironmentError(RuntimeError):
+    """More episodes than agent.max_broken_share had a broken environment: a stage must not pass them off as the
+    policy's wrong answers."""
+
+
+def check_broken_episodes(broken: int, episodes: int, first: Optional[str], limit: float, where: str) -> None:
+    """BrokenEnvironmentError naming the count and the first failure when `broken` of `episodes` exceeds the share
+    `limit` (agent.max_broken_share)."""
+    if broken and broken > limit * episodes:
+        raise BrokenEnvironmentError(
+            f"{where}: {broken} of {episodes} episodes had a broken environment (first: {first}); "
+            f"agent.max_broken_share={limit:g} allows {int(limit * episodes)}"
+        )
 
 
 class _GrowingLayer(DynamicLayer):
@@ -558,13 +580,15 @@ def tokenize_trace(
 
 
 def tool_stats(rollouts: list[Rollout]) -> dict:
-    """Share of completions with >= 1 call, calls per completion, share of calls that failed.
+    """Share of completions with >= 1 call, calls per completion, share of calls that failed, share of episodes
+    whose environment failed.
 
     Args:
         rollouts: one Rollout per completion.
 
     Returns:
-        {tool_use_rate, tool_calls_per_problem, tool_error_rate}; zeros for no rollouts or no calls.
+        {tool_use_rate, tool_calls_per_problem, tool_error_rate, broken_episode_rate}; zeros for no rollouts or
+        no calls.
     """
     count = len(rollouts)
     calls = sum(len(r.calls) for r in rollouts)
@@ -573,6 +597,7 @@ def tool_stats(rollouts: list[Rollout]) -> dict:
         "tool_use_rate": sum(bool(r.calls) for r in rollouts) / count if count else 0.0,
         "tool_calls_per_problem": calls / count if count else 0.0,
         "tool_error_rate": errors / calls if calls else 0.0,
+        "broken_episode_rate": sum(r.broken is not None for r in rollouts) / count if count else 0.0,
     }
 
 

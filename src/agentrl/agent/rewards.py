@@ -43,7 +43,7 @@ def count_steps(text: str) -> int:
 def accuracy(completions, ground_truth, solved=None, **kwargs) -> list[float]:
     """1.0 when the extracted answer equals the ground truth numerically, else 0.0. In an environment with its
     own success rule (countdown, gridworld, a custom get_reward), `solved` (one flag per completion, from the
-    tool loop: tools.episode_solved) decides instead; a None flag falls back to the answer.
+    tool loop: registry.episode_solved) decides instead; a None flag falls back to the answer.
 
     Args:
         completions: the completions (strings or chat messages).
@@ -83,7 +83,7 @@ def format_reward(completions, solved=None, **kwargs) -> list[float]:
 
 
 def env_solved(completions, environments=None, **columns) -> list:
-    """Per completion: solved by its environment's own rule (tools.episode_solved), for TRL's
+    """Per completion: solved by its environment's own rule (registry.episode_solved), for TRL's
     GRPOTrainer(environment_factory=...) loop, which passes the rollouts' `environments` and the dataset
     columns (the row reset() saw) to reward functions. None flags where there is no such rule.
 
@@ -97,7 +97,7 @@ def env_solved(completions, environments=None, **columns) -> list:
     """
     if environments is None:
         return [None] * len(completions)
-    from .tools import episode_solved
+    from ..envs.registry import episode_solved
 
     count = len(completions)
     rows = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == count} for i in range(count)]

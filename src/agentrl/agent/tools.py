@@ -23,30 +23,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..envs import mixture
-from ..envs.calculator import (  # noqa: F401 - the calculator's names, re-exported where the loop always had them
-    MAX_EXPRESSION_CHARS,
-    MAX_MAGNITUDE,
-    MAX_NODES,
-    Calculator,
-    ToolError,
-    calculator,
-    format_number,
-)
-from ..envs.registry import (  # noqa: F401 - re-exported where the loop always had them
-    ENVIRONMENTS,
-    TASKS,
-    TOOLS,
-    call_tool,
-    environment_tools,
-    episode_solved,
-    get_environment,
-    import_path,
-    task_of,
-)
+from ..envs.calculator import Calculator, ToolError, calculator
+from ..envs.contract import EnvironmentLost
+from ..envs.registry import TASKS, TOOLS, call_tool, environment_tools, get_environment, import_path
 
 MAX_RESULT_CHARS = 200  # a tool result longer than this is cut (what the policy reads back)
-
-REGISTRY = TOOLS  # the built-in tools by name (envs/registry.py, where the params schema reads their names)
 
 
 def get_tool(name: str) -> Callable[..., str]:
@@ -58,16 +39,15 @@ def get_tool(name: str) -> Callable[..., str]:
     Returns:
         The tool function. ValueError naming an unknown or uncallable tool.
     """
-    if name in REGISTRY:
-        return REGISTRY[name]
+    if name in TOOLS:
+        return TOOLS[name]
     if ":" in name:
         fn = import_path(name, "agent.tools: cannot import custom tool")
         if not callable(fn):
             raise ValueError(f"agent.tools: '{name}' is not callable")
         return fn
     raise ValueError(
-        f"agent.tools: unknown tool '{name}'; known: {', '.join(sorted(REGISTRY))} "
-        "(or a custom one as 'module:function')"
+        f"agent.tools: unknown tool '{name}'; known: {', '.join(sorted(TOOLS))} (or a custom one as 'module:function')"
     )
 
 
@@ -263,6 +243,9 @@ class Episode:
             out = _run_with_timeout(fn, args, ts.timeout_s)
         except TimeoutError as error:
             self.broken = f"tool '{name}' timed out ({error}); the episode's environment is abandoned"
+            return f"error: {self.broken}", False
+        except EnvironmentLost as error:
+            self.broken = f"environment lost: {str(error)[:200]}"
             return f"error: {self.broken}", False
         except Exception as error:  # noqa: BLE001 - a tool's failure is data for the policy, not a crash
             msg = str(error) if isinstance(error, ToolError) else f"{type(error).__name__}: {error}"

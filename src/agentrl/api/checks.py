@@ -257,6 +257,19 @@ def _check_policy(root: Path, base: dict, tree: dict, overrides: dict) -> None:
                     f"registry's names or the import paths params.yaml already lists there ({sorted(allowed)})",
                     key=key,
                 )
+    # a Gymnasium env_id (anywhere under environments, a mixture's members included) that names `module:Env` makes
+    # gymnasium import the module: the same rule as the import paths above
+    allowed_ids = {
+        v for k, v in overrides_mod.leaves(base.get("environments") or {}, "environments") if k.endswith(".env_id")
+    }
+    for key, value in overrides_mod.leaves(tree.get("environments") or {}, "environments", lists=True):
+        if key.endswith(".env_id") and isinstance(value, str) and ":" in value and value not in allowed_ids:
+            raise APIError(
+                "not_allowed",
+                f"{key}: '{value[:100]}' makes gymnasium import a module that params.yaml does not name; an override "
+                "may use registered env ids (FrozenLake-v1) or the ones params.yaml already lists",
+                key=key,
+            )
     for key in RESERVED_KEYS:
         if not overrides_mod.same(overrides_mod.get(tree, key), overrides_mod.get(base, key)):
             raise APIError("not_allowed", f"{key}: only params.yaml sets it, not an override", key=key)

@@ -15,7 +15,8 @@ import torch
 
 from agentrl.data import load_jsonl
 
-from .measure import flops_per_token, machine, matmul_parameters, matmul_peak, model_dims, sync
+from ..sizing import matmul_parameters
+from .measure import flops_per_token, machine, matmul_peak, model_dims, sync
 
 LOOP_ROUNDS = 3  # loop/plain pairs per tool_loop_vs_plain run
 LOOP_GOAL = 1.3  # issue 29: the loop at least this many times plain batched generate's tokens/s

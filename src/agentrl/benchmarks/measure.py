@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ..sizing import matmul_parameters
+
 
 def machine() -> str:
     """The CPU model (from /proc/cpuinfo where there is one: kernels and timings depend on it), cores, torch.
@@ -97,22 +99,6 @@ def model_dims(config, source: str) -> dict:
     if missing:
         raise ValueError(f"{source}: model config has no '{missing[0]}' (a Qwen3-style config needs {MODEL_DIMS})")
     return {k: int(v) for k, v in dims.items()}
-
-
-def matmul_parameters(dims: dict) -> int:
-    """The weights every token multiplies through: each layer's q/k/v/o and SwiGLU gate/up/down projections and
-    the LM head (the embedding lookup is no matmul; norms are negligible).
-
-    Args:
-        dims: model_dims' dict.
-
-    Returns:
-        The parameter count N of the FLOP formulas.
-    """
-    h, d = dims["hidden_size"], dims["head_dim"]
-    attention = 2 * h * d * (dims["num_attention_heads"] + dims["num_key_value_heads"])  # q, o; k, v
-    mlp = 3 * h * dims["intermediate_size"]
-    return dims["num_hidden_layers"] * (attention + mlp) + dims["vocab_size"] * h
 
 
 def flops_per_token(dims: dict, context: float, mode: str) -> float:

@@ -20,8 +20,9 @@ import os
 import sys
 from pathlib import Path
 
+from ..sizing import matmul_parameters
 from .gpu_check_setup import QWEN3_0_6B, ROOT
-from .measure import matmul_parameters, model_dims
+from .measure import model_dims
 
 GB = 1e9  # GPU sizes are sold in decimal gigabytes
 GPU_SIZES_GB = (8, 12, 16, 24, 40, 80)

@@ -96,9 +96,10 @@ def openenv_transport(params, n: int = 64, rounds: int = LOOP_ROUNDS, environmen
     import random
 
     from agentrl.agent.loop import generate_with_tools
-    from agentrl.agent.tools import TASKS, toolset_from_params
+    from agentrl.agent.tools import toolset_from_params
     from agentrl.data import messages
     from agentrl.envs import openenv_client
+    from agentrl.envs.registry import TASKS
 
     rows = TASKS[environment].make_rows(n, random.Random(0), "test")
     prompts = [messages("", r["question"]) for r in rows]

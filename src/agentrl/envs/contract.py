@@ -22,6 +22,12 @@ import random
 from types import ModuleType
 from typing import Any, Iterable, Optional, Protocol, runtime_checkable
 
+
+class EnvironmentLost(RuntimeError):
+    """Raised by a tool when the environment itself is gone (its server or session), not because the call was
+    wrong: the loop marks the episode broken (tools.Episode), which stages count apart from wrong answers."""
+
+
 TRL_RESERVED = ("reset", "get_reward")  # public methods that are not tools (TRL's environment_factory rule)
 MAKE_ROWS_PARAMETERS = ("n", "rng", "split", "env_knobs", "exclude")  # in this order, then **gen_knobs
 

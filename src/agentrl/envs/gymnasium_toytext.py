@@ -299,6 +299,12 @@ class GymnasiumEnv:
         goal = goal_rewards(self.table)
         self.goal_reward = float(self.table.reward[goal > 0][0]) if goal.any() else None
 
+    @property
+    def stochastic(self) -> bool:
+        """Whether a step can end in more than one state (FrozenLake's slips): only then does the seed change the
+        episode beyond its start."""
+        return bool((self.table.prob < 1.0).any())
+
     def _teacher_action(self) -> int:
         """The value-iteration teacher's action from the current state with the steps that are left."""
         return int(self._teacher[self.max_steps - self.steps, self.state])
@@ -478,8 +484,15 @@ def _instance(row: dict, env: GymnasiumEnv) -> tuple[int, Optional[tuple[str, ..
 
 def instance_key(row: dict) -> str:
     """The env, the map, the start and the seed: one episode's world and its draws (the seed decides the slips, so
-    two rows on the same map with other seeds are other instances)."""
+    two rows on the same map with other seeds are other instances; make_rows keys a deterministic env's rows by
+    world_key, as its seed draws nothing)."""
     return f"{row.get('env_id')}|{'/'.join(row.get('desc') or [])}|{row.get('start')}|{row.get('seed')}"
+
+
+def world_key(key: str) -> str:
+    """An instance_key without its seed: the episode of a deterministic env (CliffWalking, Taxi, FrozenLake without
+    slips), where two seeds with the same map and start play the same episode."""
+    return key.rsplit("|", 1)[0]
 
 
 def question(env: GymnasiumEnv, show_map: bool = True) -> str:
@@ -586,11 +599,18 @@ def make_rows(
         raise ValueError(f"{KNOBS}.show_map: only FrozenLake's prompt shows a map; {env.env_id} is a {env.family}")
     from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
-    seen = set(exclude)
+    seen = set(exclude) | {world_key(k) for k in exclude}  # either form: a deterministic env is keyed by its world
     rows: list[dict] = []
-    attempts, max_attempts = 0, 1000 + MAX_ATTEMPTS_PER_ROW * n
+    attempts, max_attempts, repeats = 0, 1000 + MAX_ATTEMPTS_PER_ROW * n, 0
     while len(rows) < n:
         attempts += 1
+        if attempts > max_attempts and repeats > attempts // 2:
+            raise ValueError(
+                f"{KNOBS}: only {len(rows)} distinct {split} episodes of {env.env_id} (env_kwargs={env.env_kwargs}) "
+                f"exist beside the {len(set(exclude))} excluded ones, {n} asked for: it is deterministic, so an "
+                "episode is its map and start whatever the seed; lower num_train/num_test, or use random maps "
+                "(map_size) or a stochastic env"
+            )
         if attempts > max_attempts:
             raise ValueError(
                 f"{KNOBS}: only {len(rows)} of {n} {split} episodes found in {max_attempts} attempts with "
@@ -603,7 +623,8 @@ def make_rows(
             row["desc"] = generate_random_map(size=k["map_size"], p=k["map_frozen"], seed=seed)
         answer = demonstrate(row, env, k["demo_explore"], k["demo_look"])
         row["start"] = env.start
-        key = instance_key(row)
+        key = instance_key(row) if env.stochastic else world_key(instance_key(row))  # the seed draws nothing there
+        repeats += key in seen
         if key in seen or (split == "train" and k["train_solved_only"] and not env.solved):
             continue  # a held-out episode, or a teacher that fell or ran out of steps (when only wins are kept)
         seen.add(key)

@@ -19,6 +19,8 @@ import asyncio
 import concurrent.futures
 import inspect
 import json
+import keyword
+import math
 import select
 import subprocess
 import sys
@@ -26,6 +28,9 @@ import threading
 import typing
 from typing import Any, Optional
 
+from .contract import EnvironmentLost
+
+MAX_ANNOTATION_CHARS = 200  # a served annotation is parsed: a bound keeps a hostile one from exhausting the parser
 JUDGE_TOOL = "_episode_solved"  # the server's action that answers "solved" by the environment's own rule
 MAX_MESSAGE_BYTES = 1 << 20  # one WebSocket message (a reset row, a step): uvicorn refuses bigger ones
 STARTUP_TIMEOUT_S = 60.0  # `serve`: the server subprocess must print its URL within this
@@ -87,6 +92,16 @@ def _why(error: BaseException) -> str:
     if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
         return f"no answer within the timeout ({error or 'timed out'})"
     return f"{type(error).__name__}: {error}"
+
+
+def finite_reward(reward, where: str) -> Optional[float]:
+    """A served reward as a float, or None when the server sent none; NaN, infinities and non-numbers are refused
+    (OpenEnvError): one NaN would make every advantage of its group NaN."""
+    if reward is None:
+        return None
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise OpenEnvError(f"{where}: reward {str(reward)[:40]!r} is not a finite number")
+    return float(reward)
 
 
 class Session:
@@ -189,6 +204,8 @@ def _annotation(text: Optional[str], where: str):
     """
     if text is None:
         return inspect.Parameter.empty
+    if not isinstance(text, str) or len(text) > MAX_ANNOTATION_CHARS:
+        raise OpenEnvError(f"{where}: annotation is not a string of at most {MAX_ANNOTATION_CHARS} characters")
 
     def build(node):
         if isinstance(node, ast.Name) and node.id in _TYPE_NAMES:
@@ -205,8 +222,13 @@ def _annotation(text: Optional[str], where: str):
 
     try:
         return build(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError) as e:
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError) as e:
         raise OpenEnvError(f"{where}: annotation {text!r} is not a plain type ({e})") from None
+
+
+def _usable_name(name: str) -> bool:
+    """A Python identifier that is not a keyword: what a method or a parameter can be called."""
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _tool_method(spec: dict, url: str):
@@ -220,18 +242,29 @@ def _tool_method(spec: dict, url: str):
         The function, to be set on the class under the tool's name.
     """
     name = spec["name"]
-    where = f"openenv server {url}: tool '{name}'"
-    if not name.isidentifier() or name.startswith("_") or name in ("reset", "get_reward"):
-        raise OpenEnvError(f"{where}: not a usable tool name")
+    where = f"openenv server {url}: tool {name[:60]!r}"
+    if not _usable_name(name) or name.startswith("_") or name in ("reset", "get_reward"):
+        raise OpenEnvError(f"{where}: not a usable tool name (a Python identifier, not reset/get_reward)")
+    if hasattr(RemoteEnvironment, name):  # `url`, `timeout_s`, `close`: the client's own members
+        raise OpenEnvError(f"{where}: the name is the client's own attribute; a tool cannot shadow it")
+    served = spec.get("parameters") or []
+    if not isinstance(served, list) or not all(isinstance(p, dict) for p in served):
+        raise OpenEnvError(f"{where}: 'parameters' must be a list of {{name, annotation, default}} objects")
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    for param in spec.get("parameters") or []:
+    for param in served:
+        pname = param.get("name")
+        if not isinstance(pname, str) or not _usable_name(pname) or pname == "self":
+            raise OpenEnvError(f"{where}: parameter name {str(pname)[:60]!r} is not a Python identifier (or is self)")
         default = param.get("default", inspect.Parameter.empty)
         ann = _annotation(param.get("annotation"), where)
         params.append(
-            inspect.Parameter(param["name"], inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=ann)
+            inspect.Parameter(pname, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=ann)
         )
     returns = _annotation(spec.get("returns"), where)
-    signature = inspect.Signature(params, return_annotation=returns)
+    try:
+        signature = inspect.Signature(params, return_annotation=returns)
+    except ValueError as e:  # a duplicate name, a default before a parameter without one
+        raise OpenEnvError(f"{where}: its parameters are not a valid signature ({e})") from None
 
     def tool(self, *args, **kwargs):
         if args:  # positional arguments are named by the signature; keyword arguments go as they are (the server's
@@ -273,7 +306,7 @@ class RemoteEnvironment:
         except OpenEnvError as e:
             self._session, self._lost = None, str(e)
             raise
-        self._reward, self._lost = result.reward, None
+        self._reward, self._lost = finite_reward(result.reward, f"openenv server {self.url}: reset"), None
         return result.observation.get("text")
 
     def _step(self, tool: str, arguments: dict):
@@ -287,15 +320,16 @@ class RemoteEnvironment:
         except OpenEnvError as e:
             self._session, self._lost = None, f"{e} (the episode's session is closed)"
             raise
-        self._reward = result.reward
+        self._reward = finite_reward(result.reward, f"openenv server {self.url}: tool '{tool}'")
         return result
 
     def _call(self, tool: str, arguments: dict) -> str:
-        """A tool's answer; a transport failure is an `error: ...` answer (the policy's data, never a raise)."""
+        """A tool's answer; a transport failure is EnvironmentLost, which the tool loop turns into an `error: ...`
+        answer and a broken episode (stages count those apart from wrong answers)."""
         try:
             text = self._step(tool, arguments).observation.get("text")
         except OpenEnvError as e:
-            return f"error: {e}"
+            raise EnvironmentLost(str(e)) from None
         return text if isinstance(text, str) else json.dumps(text)
 
     def _episode_solved(self, row: dict, text: str) -> Optional[bool]:

@@ -143,16 +143,29 @@ class ServedEnvironment(Environment):
 
     def reset(self, **row: Any) -> ToolObservation:
         """A new episode: the environment's reset(**row). Every key is the row's, `seed` included (a gridworld row's
-        slip seed), so OpenEnv's own seed/episode_id parameters are not taken from it."""
-        self.row = dict(row)
+        slip seed), so OpenEnv's own seed/episode_id parameters are not taken from it. A reset that fails ends the
+        previous episode too (a later step must not continue it) and is refused with 422 naming why: a bad row is
+        the caller's error, not the server's (it was a 500 with a traceback)."""
+        from fastapi import HTTPException
+
+        self.row = None
         self._state = State(episode_id=uuid.uuid4().hex, step_count=0)
-        obs = self.env.reset(**row)
+        try:
+            obs = self.env.reset(**row)
+        except Exception as error:  # noqa: BLE001 - any failure of the environment's reset is this row's refusal
+            raise HTTPException(422, f"reset refused the row: {type(error).__name__}: {str(error)[:200]}") from None
+        self.row = dict(row)
         return ToolObservation(text=None if obs is None else str(obs), reward=self._reward(), done=False)
 
     def step(self, action: ToolCallAction, timeout_s: Optional[float] = None, **kwargs: Any) -> ToolObservation:
-        """One tool call; every failure is an `error: ...` observation, as tools.Episode answers it in-process."""
+        """One tool call; every failure is an `error: ...` observation, as tools.Episode answers it in-process. A step
+        with no episode (no reset yet, or the last one failed) is refused with 409."""
+        from fastapi import HTTPException
+
         from .registry import call_tool, episode_solved
 
+        if self.row is None:
+            raise HTTPException(409, "no episode: reset first (or the last reset failed)")
         self._state.step_count += 1
         if action.tool == JUDGE_TOOL:
             text = action.arguments.get("text")
@@ -209,6 +222,44 @@ def build_app(name: str, knobs: Optional[dict] = None, max_sessions: int = MAX_S
     return create_app(factory, ToolCallAction, ToolObservation, env_name=name, max_concurrent_envs=max_sessions)
 
 
+def _limit_bodies(app, max_bytes: int = MAX_MESSAGE_BYTES):
+    """The app, except that an HTTP request body over `max_bytes` is answered 413 without reaching it: by its
+    Content-Length, or, streamed without one, once the bytes read pass the limit (uvicorn caps WebSocket messages at
+    the same size, ws_max_size; POST /reset and /step took 100 MB bodies)."""
+
+    async def too_large(send):
+        body = json.dumps({"detail": f"request body over {max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def limited(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > max_bytes:
+            return await too_large(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > max_bytes:
+                raise BodyTooLarge
+            return message
+
+        try:
+            await app(scope, counted, send)
+        except BodyTooLarge:
+            await too_large(send)
+
+    return limited
+
+
+class BodyTooLarge(Exception):
+    """A streamed request body passed the limit (_limit_bodies)."""
+
+
 def _quiet_disconnects(app):
     """The app, except that a WebSocket the client closed first ends quietly: openenv-core's endpoint then closes
     it again and starlette raises WebSocketDisconnect, which uvicorn would log as an ASGI error (nothing is lost:
@@ -229,7 +280,11 @@ def _uvicorn_server(app, host: str):
     import uvicorn
 
     config = uvicorn.Config(
-        _quiet_disconnects(app), host=host, log_level="warning", access_log=False, ws_max_size=MAX_MESSAGE_BYTES
+        _quiet_disconnects(_limit_bodies(app)),
+        host=host,
+        log_level="warning",
+        access_log=False,
+        ws_max_size=MAX_MESSAGE_BYTES,
     )
     return uvicorn.Server(config)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 from typing import Callable, Optional
 
 from . import countdown, gridworld, gymnasium_toytext, mixture, reasoning_gym_tasks
@@ -35,6 +36,55 @@ TASKS = {
     "mixture": mixture,
     "reasoning_gym": reasoning_gym_tasks,
 }
+
+
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # module:function or module:Class, checked by form
+
+
+def check_environment_name(name: Optional[str]) -> Optional[str]:
+    """agent.environment: None, a registered name or `module:Class` by form (validation imports no module; the stage
+    does). ValueError listing the known names."""
+    if name is None or name in ENVIRONMENTS or IMPORT_PATH.fullmatch(name):
+        return name
+    raise ValueError(
+        f"unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} (or a custom one as 'module:Class')"
+    )
+
+
+def check_tool_names(names: list[str]) -> list[str]:
+    """agent.tools: each a registered tool or `module:function` by form, none twice. ValueError listing the known."""
+    for name in names:
+        if name not in TOOLS and not IMPORT_PATH.fullmatch(name):
+            raise ValueError(
+                f"unknown tool '{name}'; known: {', '.join(sorted(TOOLS))} (or a custom one as 'module:function')"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError("a tool is listed twice")
+    return names
+
+
+def check_environment_knobs(name: str, knobs: dict) -> None:
+    """params `environments.<name>`: a task of TASKS, num_train and num_test in 1..1,000,000, every other knob one of
+    the module's GEN_DEFAULTS / ENV_DEFAULTS with its default's type, then the module's own check_knobs when it has
+    one (envs/contract.py KnobCheckingTask). ValueError naming `<name>.<knob>` and what was expected."""
+    if name not in TASKS:
+        raise ValueError(f"unknown environment '{name}'; built-ins with knobs: {', '.join(sorted(TASKS))}")
+    defaults = {"num_train": 1, "num_test": 1, **TASKS[name].GEN_DEFAULTS, **TASKS[name].ENV_DEFAULTS}
+    missing = sorted({"num_train", "num_test"} - set(knobs))
+    if missing:
+        raise ValueError(f"{name}: missing {', '.join(missing)} (how many train / held-out instances)")
+    for k, val in knobs.items():
+        if k not in defaults:
+            raise ValueError(f"{name}.{k}: unknown knob; known: {', '.join(sorted(defaults))}")
+        want = type(defaults[k])
+        number = isinstance(val, (int, float)) and not isinstance(val, bool)
+        ok = isinstance(val, bool) if want is bool else number if want in (int, float) else isinstance(val, want)
+        if not ok or (want is int and not isinstance(val, int)):
+            raise ValueError(f"{name}.{k}: expected {want.__name__}, got {val!r}")
+        if k in ("num_train", "num_test") and not 1 <= val <= 1_000_000:
+            raise ValueError(f"{name}.{k}: must be in 1..1000000, got {val}")
+    if callable(check_knobs := getattr(TASKS[name], "check_knobs", None)):
+        check_knobs(knobs)
 
 
 @functools.lru_cache(maxsize=256)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..common import torch_dtype
 from ..config import AgentParams, ModelParams, ServeParams, load_params
+from ..modeling import export_check_problem
 from .engine import Engine, Sampling, complete
 from .errors import HANDLERS, MAX_REQUEST_BYTES, ApiError, BodyLimit
 from .openai_tools import ToolPlan, ToolRequestError, control_token_in, parse_calls, plan_tools, render_conversation
@@ -56,6 +57,8 @@ def check_model_dir(path: str) -> None:
         )
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{source}={path}: not a saved model directory (no config.json)")
+    if problem := export_check_problem(directory):  # export swaps in only verified models; this is another copy
+        raise ValueError(f"{source}={path}: {problem}")
 
 
 @asynccontextmanager

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..agent.tools import Calculator, split_annotated, toolset_from_params
+from ..agent.tools import split_annotated, toolset_from_params
 from ..common import (
     get_logger,
     model_files_digest,
@@ -32,6 +32,7 @@ from ..common import (
 )
 from ..config import Params, load_params_or_exit
 from ..data import MULTIPLIER_MAX, load_jsonl
+from ..envs.calculator import Calculator
 from ..gguf_files import GgufError, is_gguf
 from ..modeling import (
     STAGE_DIRS,

@@ -177,6 +177,7 @@ def main() -> None:
         "ci95": sft_vs_grpo["ci95"],
         "grpo_vs_sft": sft_vs_grpo,
         "sft_vs_base": base_vs_sft,
+        "grpo_vs_base": paired_test(correctness("base"), correctness("grpo"), params.seed),
         # tool use before/after GRPO (absent when the pipeline runs without tools)
         **{f"{s}_{k}": evals[s][k] for s in ("sft", "grpo") for k in TOOL_KEYS if k in evals[s]},
     }

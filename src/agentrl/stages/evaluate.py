@@ -20,13 +20,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..agent.loop import Rollout, generate_with_tools, tool_stats
+from ..agent.loop import BrokenEnvironmentError, Rollout, check_broken_episodes, generate_with_tools, tool_stats
 from ..agent.rewards import build_rewards
-from ..agent.tools import episode_solved, toolset_from_params
+from ..agent.tools import toolset_from_params
 from ..answers import answers_match, extract_answer, normalize_number
 from ..common import get_logger, peak_rss_mb, torch_dtype, write_metrics
 from ..config import Params, load_params_or_exit
 from ..data import load_jsonl, write_jsonl
+from ..envs.openenv_client import OpenEnvError
+from ..envs.registry import episode_solved
 
 TEST = "data/prepared/test.jsonl"
 log = get_logger("eval")
@@ -224,7 +226,7 @@ def score(
 
     With `rollouts` (the tool loop's output for the same samples) predictions record each tool call and
     the metrics add tool_use_rate, tool_calls_per_problem and tool_error_rate (first sample per problem).
-    Rollouts that acted in an environment with its own success rule (tools.episode_solved: countdown,
+    Rollouts that acted in an environment with its own success rule (registry.episode_solved: countdown,
     gridworld, a custom get_reward) are judged by it; the metrics then add turns, failed tries and
     `recovered_share` (solved episodes that recovered from a failed try: the feedback-use figure).
 
@@ -418,6 +420,9 @@ def evaluate(
     started = time.time()
     rollouts, toolset = _generate_rollouts(params, name, model, tokenizer, rows)
     elapsed = time.time() - started
+    episodes = [roll for rolls in rollouts for roll in rolls]
+    broken = [roll.broken for roll in episodes if roll.broken is not None]  # before any file is written
+    check_broken_episodes(len(broken), len(episodes), next(iter(broken), None), params.agent.max_broken_share, name)
     samples = [[(roll.text, roll.num_tokens) for roll in rolls] for rolls in rollouts]
     metrics, preds = score(
         rows,
@@ -427,6 +432,8 @@ def evaluate(
         rollouts if toolset is not None else None,
     )
     metrics["tools"] = params.agent.environment or ",".join(params.agent.tools) or "none"
+    if toolset is not None:
+        metrics["broken_episodes"] = len(broken)  # counted apart from wrong answers; their accuracy is not the policy's
     metrics.update(
         {
             "samples_per_second": round(len(rows) / elapsed, 3),
@@ -454,7 +461,8 @@ def evaluate(
 
 
 def main() -> None:
-    """`python -m agentrl.stages.evaluate --stage STAGE`: exit status 1 when the test set is empty."""
+    """`python -m agentrl.stages.evaluate --stage STAGE`: exit status 1 with one line when the test set is empty,
+    the OpenEnv server cannot be reached, or more episodes than agent.max_broken_share had a broken environment."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", required=True, choices=["base", "sft", "grpo", "merged"])
     ap.add_argument("--name", default=None, help="metrics name (default: the stage)")
@@ -462,7 +470,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         evaluate(load_params_or_exit(), args.stage, args.name, args.quantize)
-    except EmptyEvalError as error:
+    except (EmptyEvalError, BrokenEnvironmentError, OpenEnvError) as error:  # OpenEnvError names the server's URL
         log.error("%s", error)
         raise SystemExit(1) from None
 

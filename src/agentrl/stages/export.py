@@ -3,7 +3,11 @@
 base + SFT adapter (merged) + GRPO adapter -> `merge_and_unload` -> save_pretrained (weights,
 tokenizer, generation config), loadable by plain AutoModelForCausalLM without PEFT. The merge is
 verified by reloading models/merged/ and comparing its logits with the unmerged adapter model on a
-fixed prompt set, and its greedy completions; the stage fails when they differ.
+fixed prompt set, and its greedy completions; the stage fails when they differ. The new model is written to
+models/merged.partial and swapped in (one atomic exchange of the names on Linux) only once its check has passed,
+with export_check.json beside its files saying so: a failed check or a kill at any moment leaves the previous
+verified models/merged in place (dvc.yaml marks it `persist` so DVC does not delete it first), and `make serve`
+refuses a directory whose export_check.json does not say passed.
 
 With `export.gguf` (f32, f16, q8_0), the merged model is also written as GGUF files to models/gguf/ with gguf's
 writer, for llama.cpp, Ollama and LM Studio; each is read back through transformers and its greedy completions on
@@ -19,6 +23,7 @@ the accuracy delta, the backend and the measured speed ratio in metrics/quantize
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -26,10 +31,10 @@ from pathlib import Path
 import torch
 
 from .. import gguf_files
-from ..common import get_logger, peak_rss_mb, write_metrics
+from ..common import get_logger, peak_rss_mb, write_json, write_metrics
 from ..config import Params, load_params_or_exit
 from ..data import load_jsonl
-from ..modeling import STAGE_DIRS, load_model, load_policy, load_tokenizer
+from ..modeling import EXPORT_CHECK, STAGE_DIRS, load_model, load_policy, load_tokenizer
 from .evaluate import evaluate, generate
 from .quantize import int8_backend, load_quantized
 
@@ -79,15 +84,17 @@ def export(params: Params) -> dict:
 
     merged = adapter_model.merge_and_unload() if hasattr(adapter_model, "merge_and_unload") else adapter_model
     out_dir = STAGE_DIRS["merged"]
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    merged.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    merged.generation_config.save_pretrained(out_dir)
+    restore_interrupted_swap(out_dir)
+    restore_interrupted_swap(GGUF_DIR)
+    staging = staging_dir(out_dir)  # models/merged stays the previous verified model until this one passes
+    merged.save_pretrained(staging)
+    tok.save_pretrained(staging)
+    merged.generation_config.save_pretrained(staging)
+    write_json(staging / EXPORT_CHECK, {"passed": None, "note": "export was checking this model"})
 
-    reloaded = load_model(out_dir)  # plain transformers, no PEFT
+    reloaded = load_model(staging)  # plain transformers, no PEFT
     reloaded.eval()
-    reloaded_tok = load_tokenizer(out_dir)  # the saved tokenizer, as a user of models/merged loads it
+    reloaded_tok = load_tokenizer(staging)  # the saved tokenizer, as a user of models/merged loads it
     diff = (logits(reloaded, reloaded_tok, prompts) - ref_logits).abs().max().item()
     new_text = [s[0][0] for s in generate(reloaded, tok, prompts, len(prompts), params.eval.max_new_tokens)]
     same = sum(a == b for a, b in zip(ref_text, new_text))
@@ -105,49 +112,109 @@ def export(params: Params) -> dict:
         metrics["passed"] = all(g["passed"] for g in written.values())
     metrics["peak_rss_mb"] = peak_rss_mb()
     write_metrics(METRICS, metrics)
-    if metrics.get("gguf") and not metrics["passed"]:
-        failed = {
-            k: f"{g['greedy_identical_count']}/{g['num_prompts']}"
-            for k, g in metrics["gguf"].items()
-            if not g["passed"]
-        }
-        raise ExportVerificationError(f"GGUF round trip failed (greedy completions identical: {failed}); see {METRICS}")
-    if not metrics["passed"]:
-        raise ExportVerificationError(
-            f"merge verification failed: max |logit diff| {diff:.3g} (tolerance {params.export.max_abs_logit_diff:g}), "
-            f"greedy completions identical on {same}/{len(prompts)} prompts; see {METRICS}"
-        )
+    if not metrics["passed"]:  # neither the model nor its GGUF files replace the previous verified ones
+        shutil.rmtree(staging)
+        shutil.rmtree(staging_dir(GGUF_DIR), ignore_errors=True)
+        raise ExportVerificationError(failure_message(metrics, out_dir))
+    write_json(staging / EXPORT_CHECK, {k: metrics[k] for k in VERDICT_KEYS})
+    swap_in(staging, out_dir)
+    swap_in(staging_dir(GGUF_DIR), GGUF_DIR)
     log.info(
         "merged model saved to %s; max |logit diff| %.2e, greedy identical %d/%d", out_dir, diff, same, len(prompts)
     )
     return metrics
 
 
+VERDICT_KEYS = ("passed", "max_abs_logit_diff", "tolerance", "greedy_identical_count", "num_prompts")
+
+
+def failure_message(metrics: dict, out_dir: Path) -> str:
+    """What failed the check (the GGUF round trip, or the merge itself), and that the previous model stays."""
+    kept = f"{out_dir} {'keeps the previous verified model' if out_dir.exists() else 'was not written'}; see {METRICS}"
+    if metrics.get("gguf"):
+        failed = {k: f"{g['greedy_identical_count']}/{g['num_prompts']}" for k, g in metrics["gguf"].items()}
+        return f"GGUF round trip failed (greedy completions identical: {failed}); {kept}"
+    return (
+        f"merge verification failed: max |logit diff| {metrics['max_abs_logit_diff']:.3g} (tolerance "
+        f"{metrics['tolerance']:g}), greedy completions identical on {metrics['greedy_identical_count']}/"
+        f"{metrics['num_prompts']} prompts; {kept}"
+    )
+
+
+def staging_dir(final: Path) -> Path:
+    """Where export writes `final`'s new contents until they pass its check (models/merged.partial)."""
+    return final.with_name(final.name + ".partial")
+
+
+def swap_in(staging: Path, final: Path) -> None:
+    """`final` replaced by `staging`: on Linux in one atomic exchange of the two names (renameat2), so `final` is
+    never missing; elsewhere with two renames, a kill between which leaves the old one at <final>.previous for
+    restore_interrupted_swap to put back at the next start."""
+    if final.exists() and exchange_names(staging, final):
+        shutil.rmtree(staging)  # now the old contents
+        return
+    previous = final.with_name(final.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.exists():
+        final.rename(previous)
+    staging.rename(final)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def exchange_names(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where the C library or the file
+    system has no such call (the caller then renames twice)."""
+    import ctypes
+    import os
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), str(a))
+
+
+def restore_interrupted_swap(final: Path) -> None:
+    """Undo what a kill can leave: <final>.previous back in place when `final` is missing (two-rename swap_in),
+    and the staging folder of an export that did not finish removed."""
+    previous = final.with_name(final.name + ".previous")
+    if previous.exists() and not final.exists():
+        previous.rename(final)
+        log.warning("%s restored from %s (an export was killed while swapping it)", final, previous)
+    shutil.rmtree(staging_dir(final), ignore_errors=True)
+
+
 def export_gguf(merged, tokenizer, prompts: list, merged_text: list[str], params: Params) -> dict:
     """models/gguf/model-<type>.gguf for each type in export.gguf, each read back through transformers and checked
     against the merged model's greedy completions; with none asked for, models/gguf/SKIPPED.txt says why it is empty.
+    The files are written to models/gguf.partial, which export swaps in once every check has passed.
 
     Returns:
         {type: {file, bytes, sha256, tensor types, greedy agreement, passed}}; an f32 file passes only when every
         completion is identical, f16/q8_0 round the weights and always pass with their agreement recorded.
     """
-    if GGUF_DIR.exists():
-        shutil.rmtree(GGUF_DIR)
-    GGUF_DIR.mkdir(parents=True)
+    staging = staging_dir(GGUF_DIR)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     if not params.export.gguf:
-        (GGUF_DIR / "SKIPPED.txt").write_text("export.gguf is [] (no GGUF files asked for)\n")
+        (staging / "SKIPPED.txt").write_text("export.gguf is [] (no GGUF files asked for)\n")
         return {}
     source = STAGE_DIRS["base"] / gguf_files.SOURCE_RECORD
     tokenizer_kind = json.loads(source.read_text()).get("tokenizer", {}) if source.exists() else {}
     results = {}
     for out_type in params.export.gguf:
-        path = GGUF_DIR / f"model-{out_type}.gguf"
+        path = staging / f"model-{out_type}.gguf"
         written = gguf_files.write_gguf(merged, tokenizer, path, out_type, "agentrl merged", tokenizer_kind)
         model, gguf_tok = gguf_files.load_plain(path)
         text = [s[0][0] for s in generate(model, gguf_tok, prompts, len(prompts), params.eval.max_new_tokens)]
         same = sum(a == b for a, b in zip(merged_text, text))
         results[out_type] = {
-            "file": str(path),
+            "file": str(GGUF_DIR / path.name),
             **written,
             "sha256": gguf_files.sha256(path),
             "greedy_identical_count": same,
@@ -156,7 +223,7 @@ def export_gguf(merged, tokenizer, prompts: list, merged_text: list[str], params
         }
         log.info(
             "%s: %.1f MB, greedy completions identical to the merged model's on %d/%d",
-            path,
+            GGUF_DIR / path.name,
             written["bytes"] / 1e6,
             same,
             len(prompts),

@@ -19,11 +19,15 @@ import time
 from collections import defaultdict
 from typing import Optional
 
+from ..agent.loop import BrokenEnvironmentError
 from ..agent.rewards import build_rewards
-from ..agent.tools import episode_solved, toolset_from_params
+from ..agent.tools import toolset_from_params
 from ..common import file_digest, get_logger, model_files_digest, resolve_precision, torch_dtype, world_size
-from ..config import Params, ParamsError, passthrough_value
+from ..config import Params, ParamsError
+from ..envs.openenv_client import OpenEnvError
+from ..envs.registry import episode_solved
 from ..modeling import STAGE_DIRS, attach, load_model, load_tokenizer
+from ..passthrough import passthrough_value
 from . import training
 
 DATA = "data/prepared/rl_train.jsonl"
@@ -144,7 +148,7 @@ class ToolRollout:
     different rows share (FrozenLake with a hidden map, gridworld maps that recur with other seeds): it would reset
     every such episode with one row."""
 
-    def __init__(self, toolset, rows: Optional[list[dict]] = None, merged: bool = False):
+    def __init__(self, toolset, rows: Optional[list[dict]] = None, merged: bool = False, max_broken_share: float = 0.0):
         self.toolset = toolset
         self.merged = merged
         self.plain = None  # the merged copy, made on the first rollout and refreshed on every one
@@ -156,6 +160,8 @@ class ToolRollout:
                 self.shared.add(key)
             self.rows[key] = r
         self.batch_rows: Optional[list[dict]] = None
+        self.max_broken_share = max_broken_share
+        self.broken, self.first_broken = 0, None  # episodes whose environment failed (check_broken_episodes)
         self.seconds = 0.0
         self.completions = 0
         self.tokens = 0
@@ -199,7 +205,7 @@ class ToolRollout:
         import torch
         from trl.models import unwrap_model_for_generation
 
-        from ..agent.loop import generate_with_tools, tool_stats
+        from ..agent.loop import check_broken_episodes, generate_with_tools, tool_stats
 
         rows = self.rows_of(prompts)
         started = time.perf_counter()
@@ -247,6 +253,9 @@ class ToolRollout:
         if self.toolset is not None:
             for stat, value in tool_stats(rolls).items():
                 self.curves[f"tools/{stat}"].append(value)
+            broken = [r.broken for r in rolls if r.broken is not None]
+            self.broken, self.first_broken = self.broken + len(broken), self.first_broken or next(iter(broken), None)
+            check_broken_episodes(self.broken, self.completions, self.first_broken, self.max_broken_share, "grpo")
         out = {}
         if rows and self.toolset is not None:  # an environment with its own success rule decides `accuracy`
             solved = [episode_solved(row, r.text, r.episode.env if r.episode else None) for row, r in zip(rows, rolls)]
@@ -385,7 +394,7 @@ def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
                 "set merged_rollouts: false"
             )
         return None, None
-    return ToolRollout(toolset, rows, merged), None
+    return ToolRollout(toolset, rows, merged, params.agent.max_broken_share), None
 
 
 def baked_tool_template(tok):
@@ -588,4 +597,4 @@ def train(params: Params) -> dict:
 
 
 if __name__ == "__main__":
-    training.main("grpo", train, BatchConfigError)
+    training.main("grpo", train, BatchConfigError, BrokenEnvironmentError, OpenEnvError)

@@ -161,6 +161,19 @@ def mix_tool_use(examples: list, share: float, seed: int) -> float:
     return kept / len(with_calls) if with_calls else 0.0
 
 
+def calculator_is_the_tool(params: Params) -> bool:
+    """Whether the demonstrations' <<...>> calls are the calculator's, the only ones data.calculator_share thins
+    out (agent.tools [calculator] or agent.environment calculator); a user's own tool keeps every call."""
+    agent = params.agent
+    return agent.environment == "calculator" or (agent.environment is None and list(agent.tools) == ["calculator"])
+
+
+def tool_of(params: Params) -> str:
+    """The tool the demonstrations call, as params name it (for log lines)."""
+    agent = params.agent
+    return f"agent.environment {agent.environment}" if agent.environment else f"agent.tools {list(agent.tools)}"
+
+
 def environment_knobs(params: Params) -> tuple:
     """(task module, its knobs from params.environments, the generation knobs, the GridWorld/Countdown knobs).
 
@@ -196,6 +209,35 @@ def environment_rows(params: Params) -> tuple[list[dict], list[dict]]:
     return train, test
 
 
+class TestOverlapError(ValueError):
+    """Held-out instances that are also training rows (data.allow_test_overlap is false)."""
+
+
+def environment_overlap(params: Params, train: list[dict], test: list[dict]) -> dict:
+    """How far the held-out rows are from training: test rows whose prompt is also a training prompt (expected where
+    the prompt hides the instance, e.g. FrozenLake's hidden map), whose instance (the task's instance_key: the
+    initial state) is also a training row's, and how many distinct instances the test rows hold. Instances in
+    both splits are refused (TestOverlapError naming the first) unless data.allow_test_overlap."""
+    task = TASKS[params.agent.environment]
+    train_prompts = {" ".join(r["question"].split()) for r in train}
+    train_keys = {task.instance_key(r) for r in train}
+    test_keys = [task.instance_key(r) for r in test]
+    shared = [k for k in test_keys if k in train_keys]
+    overlap = {
+        "test_rows": len(test),
+        "test_prompts_in_train": sum(" ".join(r["question"].split()) in train_prompts for r in test),
+        "test_instances_in_train": len(shared),
+        "distinct_test_instances": len(set(test_keys)),
+    }
+    if shared and not params.data.allow_test_overlap:
+        raise TestOverlapError(
+            f"environment {params.agent.environment}: {len(shared)} of {len(test)} held-out instances are also "
+            f"training rows (first: {shared[0][:120]}); its make_rows must honour `exclude`, or set "
+            "data.allow_test_overlap: true to train on them knowingly"
+        )
+    return overlap
+
+
 def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> dict:
     """The prepare stage for a built-in environment: its generated rows as SFT, RL and test JSONL.
 
@@ -209,6 +251,7 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
     """
     name = params.agent.environment
     train, test = environment_rows(params)
+    overlap = environment_overlap(params, train, test)  # refused before anything is written
     sp = params.data.system_prompt
 
     def fields(index: int, split: str, row: dict) -> dict:
@@ -242,6 +285,7 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
     metrics = {
         "source": f"environment:{name}",
         "written": {"sft_train": n_sft, "rl_train": n_rl, "test": n_test},
+        "overlap": overlap,
         "demo_calls_per_example": round(sum(calls) / len(calls), 4) if calls else 0.0,
         "demo_failed_try_share": round(sum(c > 1 for c in calls) / len(calls), 4) if calls else 0.0,
     }
@@ -299,7 +343,11 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
             )
 
     train_ex = seeded_subset(train.examples, data.max_samples, params.seed)
-    tool_share = mix_tool_use(train_ex, data.calculator_share, params.seed) if not strip else 0.0
+    share_applies = not strip and calculator_is_the_tool(params)
+    tool_share = mix_tool_use(train_ex, data.calculator_share, params.seed) if share_applies else 0.0
+    if not strip and not share_applies:  # the <<...>> calls in demonstrations of a user's own tool: all kept
+        tool_share = float(any("<<" in e.reasoning for e in train_ex))
+        log.info("data.calculator_share not applied: the demonstrations call %s, not the calculator", tool_of(params))
     test_ex = seeded_subset(test.examples, data.eval_max_samples, params.seed + 1)
     sp = data.system_prompt
     n_sft = write_jsonl(out_dir / "sft_train.jsonl", (sft_record(e, sp) for e in train_ex))
@@ -316,8 +364,15 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
         "written": {"sft_train": n_sft, "rl_train": n_rl, "test": n_test},
         "subsampled_away": {"train": len(train.examples) - n_sft, "test": len(test.examples) - n_test},
         "dropped": {"train": by_reason(train.bad), "test": by_reason(test.bad), "total": len(bad)},
+        # held-out questions are never trained on: a training row repeating one is a bad row (train_test_overlap)
+        "overlap": {
+            "test_rows": n_test,
+            "test_prompts_in_train": len(normalized_questions(test_ex) & normalized_questions(train_ex)),
+            "train_rows_dropped_as_test": sum(b.reason == "train_test_overlap" for b in train.bad),
+        },
         "calculator_annotations": "stripped" if strip else "kept",
         "tool_solution_share": round(tool_share, 4),
+        "calculator_share_applied": share_applies,
         "steps_histogram_test": dict(sorted(collections.Counter(str(e.steps) for e in test_ex).items())),
     }
     metrics["peak_rss_mb"] = peak_rss_mb()

@@ -15,6 +15,7 @@ from ..agent.tools import toolset_from_params
 from ..common import file_digest, get_logger, model_files_digest, resolve_precision, torch_dtype
 from ..config import Params
 from ..data import load_jsonl
+from ..envs.openenv_client import OpenEnvError
 from ..modeling import STAGE_DIRS, load_model, load_tokenizer
 from . import training
 
@@ -197,4 +198,4 @@ def train(params: Params) -> dict:
 
 
 if __name__ == "__main__":
-    training.main("sft", train)
+    training.main("sft", train, OpenEnvError)  # an unreachable agent.environment_url: one line naming it

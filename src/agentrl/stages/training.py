@@ -16,15 +16,18 @@ import torch
 from ..common import (
     configure_cpu_threads,
     file_digest,
+    finished_checkpoint,
     get_logger,
     peak_rss_mb,
     precision_kwargs,
     resolve_precision,
     resumable_checkpoint,
     world_size,
+    write_checkpoint_checksums,
 )
-from ..config import Params, ParamsError, build_passthrough, load_params_or_exit, passthrough_value
+from ..config import Params, ParamsError, load_params_or_exit
 from ..modeling import STAGE_DIRS, lora_config, save_stage_result
+from ..passthrough import PassthroughError, build_passthrough, passthrough_value
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout whose dvc.yaml declares this package's stages
 
@@ -79,7 +82,7 @@ def trainer_config(params: Params, stage: str, output_dir: str, **derived):
         **derived: further derived arguments (tracking, GRPO's reward_weights).
 
     Returns:
-        The TRL config. ParamsError naming the section when TRL rejects a value.
+        The TRL config. PassthroughError naming the section when TRL rejects a value.
     """
     return build_passthrough(
         f"{stage}.trainer",
@@ -128,7 +131,24 @@ def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
     configure_cpu_threads()
     track = tracking.setup(params, stage)
     callbacks = track.pop("callbacks")
-    return config(params, **track), callbacks
+    return config(params, **track), [*callbacks, checksum_callback()]
+
+
+def checksum_callback():
+    """A TrainerCallback writing checksums.json into each checkpoint once the Trainer has saved all of it (its
+    on_save comes after Trainer._save_checkpoint): resume counts a checkpoint complete only with it and checks
+    every file against it (common.checksum_problem)."""
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    class ChecksumEachCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every rank's files (its RNG state, DeepSpeed shards) are written
+            if state.is_world_process_zero:
+                write_checkpoint_checksums(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+    return ChecksumEachCheckpoint()
 
 
 def code_digest(stage: str, root: Path) -> dict[str, str]:
@@ -287,7 +307,10 @@ def train(trainer, resume: Optional[str]) -> tuple[Any, dict]:
         (TrainOutput, the run's report).
     """
     t0 = time.time()
-    out = trainer.train(resume_from_checkpoint=resume)
+    if resume and finished_checkpoint(resume):
+        out, resume = load_finished_run(trainer, resume)
+    else:
+        out = trainer.train(resume_from_checkpoint=resume)
     runtime = time.time() - t0
     ran = out.global_step - checkpoint_step(resume)  # a resumed run starts at its checkpoint
     return out, {
@@ -300,6 +323,32 @@ def train(trainer, resume: Optional[str]) -> tuple[Any, dict]:
         "num_processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
     }
+
+
+def load_finished_run(trainer, checkpoint: str) -> tuple[Any, Optional[str]]:
+    """A run that a kill stopped after its last step's save, finished from that checkpoint without training again
+    (trainer.train would take one step past max_steps): its weights and TrainerState loaded as trainer.train
+    would have left them. Its TrainOutput's training_loss is the logged losses' mean weighted by the steps each
+    covers (the Trainer's running sum is not in the checkpoint). DeepSpeed and FSDP load weights only inside
+    trainer.train, so there the run trains again from the start, which a fixed seed makes give the same weights.
+    Returns the TrainOutput and the checkpoint the run resumed from (None when it trained again).
+    """
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    log = get_logger("train")
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        log.warning(
+            "%s ends a finished run; DeepSpeed/FSDP cannot load it outside training: training again", checkpoint
+        )
+        return trainer.train(resume_from_checkpoint=None), None
+    log.info("%s ends a finished run (saved at max_steps): loading it, no step trained again", checkpoint)
+    trainer._load_from_checkpoint(checkpoint)
+    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    logged = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
+    covered = [step - before for (step, _), before in zip(logged, [0] + [s for s, _ in logged])]
+    loss = sum(value * steps for (_, value), steps in zip(logged, covered)) / max(1, sum(covered))
+    return TrainOutput(trainer.state.global_step, loss, {}), checkpoint
 
 
 def save(trainer, tokenizer, stage: str, metrics_path: str, metrics: dict) -> dict:
@@ -321,7 +370,7 @@ def save(trainer, tokenizer, stage: str, metrics_path: str, metrics: dict) -> di
 
 
 def main(stage: str, train_stage: Callable[[Params], dict], *errors: type[Exception]) -> None:
-    """`train_stage(params.yaml)`; a value the TRL config rejects (ParamsError, named by its section) or one of
+    """`train_stage(params.yaml)`; a value the TRL config rejects (PassthroughError, named by its section) or one of
     the stage's own `errors` ends the process with exit status 2 and the message.
 
     Args:
@@ -332,6 +381,6 @@ def main(stage: str, train_stage: Callable[[Params], dict], *errors: type[Except
     params = load_params_or_exit()
     try:
         train_stage(params)
-    except (ParamsError, *errors) as error:
+    except (ParamsError, PassthroughError, *errors) as error:
         get_logger(stage).error("%s", error)
         raise SystemExit(2) from None
