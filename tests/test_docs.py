@@ -390,16 +390,24 @@ def is_params_key(parts: list[str], params: dict) -> bool:
     return True
 
 
+@functools.cache
+def repository_index(root: Path) -> tuple[frozenset, tuple, dict]:
+    """What the references are checked against, read once per repository: the Makefile's targets, the repository's
+    .py files (outside .venv) and params.yaml."""
+    targets = frozenset(re.findall(r"^([A-Za-z][\w-]*)\s*:(?!=)", (root / "Makefile").read_text(), re.M))
+    py_files = tuple(str(p.relative_to(root)) for p in root.rglob("*.py") if ".venv" not in p.relative_to(root).parts)
+    return targets, py_files, yaml.safe_load((root / "params.yaml").read_text())
+
+
 def code_reference_problem(ref: str, doc_dir: Path, root: Path = ROOT, src: Path = SRC) -> str | None:
     """Why a backticked reference names code that does not exist, or None (also for text that is no reference)."""
+    targets, py_files, params = repository_index(root)
     if m := re.match(r"make\s+([\w*-]+)", ref):
-        targets = set(re.findall(r"^([A-Za-z][\w-]*)\s*:(?!=)", (root / "Makefile").read_text(), re.M))
         return None if m.group(1).startswith("-") or fnmatch.filter(targets, m.group(1)) else "no such make target"
     if re.fullmatch(r"[\w./-]+\.py", ref):
         if any((base / ref).exists() for base in (root, src, doc_dir)):
             return None
-        tracked = (str(p.relative_to(root)) for p in root.glob(f"**/{Path(ref).name}") if ".venv" not in p.parts)
-        return None if any(p.endswith(ref) for p in tracked) else "no such file"
+        return None if any(p == ref or p.endswith("/" + ref) for p in py_files) else "no such file"
     if re.search(r"\.(json|jsonl|ya?ml|csv|md|txt|gguf|safetensors|bin|pt|pth|lock|toml|log|png|svg)$", ref):
         return None  # a data file's name (`prepare.json`), not code
     if not (m := DOTTED.fullmatch(ref)):
@@ -407,7 +415,7 @@ def code_reference_problem(ref: str, doc_dir: Path, root: Path = ROOT, src: Path
     parts = m.group(1).split(".")
     qualified = parts[0] == "agentrl"
     parts = parts[1:] if qualified else parts
-    if not qualified and is_params_key(parts, yaml.safe_load((root / "params.yaml").read_text())):
+    if not qualified and is_params_key(parts, params):
         return None
     modules = package_modules(src)
     for k in range(len(parts), 0, -1):

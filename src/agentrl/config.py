@@ -23,15 +23,12 @@ from .sizing import check_model_fits
 PARAMS_FILE = "params.yaml"
 
 PosInt = Field(ge=1)
-# `module:function` (tools, rewards) or `module:Class` (agent.environment): checked by form, imported by the stage
-IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 # distributed.accelerate_config: a YAML file under configs/accelerate/ in plain path characters (it reaches the
 # stage's shell command, dvc.yaml's `accelerate launch --config_file ${distributed.accelerate_config}`)
 ACCELERATE_CONFIG = re.compile(
     r"configs/accelerate/(?:[A-Za-z0-9_-][A-Za-z0-9_.-]*/)*[A-Za-z0-9_-][A-Za-z0-9_.-]*\.ya?ml"
 )
-# the built-in rewards (agent/rewards.py REGISTRY; a test keeps the two equal): a misspelt one is refused here, not
-# at eval_base or grpo
+# the built-in rewards (= agent/rewards.py REGISTRY, a test keeps them equal): a misspelt one is refused at validation
 REWARD_NAMES = ("accuracy", "format", "length_penalty", "step")
 MAX_WEIGHT = 1e6  # |reward weight|, step-distribution weight
 
@@ -187,6 +184,8 @@ class GRPOParams(Strict):
     @field_validator("rewards")
     @classmethod
     def _rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        from .envs.registry import IMPORT_PATH
+
         if not rewards:
             raise ValueError("needs at least one reward {name: weight}")
         for name, weight in rewards.items():  # a module:function is checked by form, imported by the stage

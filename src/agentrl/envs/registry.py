@@ -38,7 +38,9 @@ TASKS = {
 }
 
 
-IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # module:function or module:Class, checked by form
+# `module:function` (tools, rewards) or `module:Class` (agent.environment): checked by form when params are
+# validated, imported by the stage
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 def check_environment_name(name: Optional[str]) -> Optional[str]:
