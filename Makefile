@@ -83,7 +83,7 @@ real: setup-gguf ## SmolLM2-135M-Instruct from its GGUF through the pipeline on 
 	python scripts/env_results.py --diagnostics real-$(REAL) docs/real/$(REAL)
 
 repro: setup ## set-up, then the whole DVC pipeline (dvc repro)
-	dvc repro
+	python scripts/workspace_run.py dvc repro
 
 # ruff (pinned in requirements.txt, configured in pyproject.toml): lint rules and formatting
 LINT_PATHS := src scripts tests examples
@@ -152,7 +152,7 @@ train-zero2: ACCEL = zero2
 train-zero3: ACCEL = zero3
 train-zero3-offload: ACCEL = zero3_offload
 train-ddp train-zero2 train-zero3 train-zero3-offload: setup ## the pipeline under accelerate, NPROC processes (DDP, ZeRO-2/3, offload)
-	dvc exp run -S distributed.accelerate_config=configs/accelerate/$(ACCEL).yaml \
+	python scripts/workspace_run.py dvc exp run -S distributed.accelerate_config=configs/accelerate/$(ACCEL).yaml \
 	  -S distributed.num_processes=$(NPROC) $(DVC_EXP_ARGS)
 
 # A params recipe (configs/recipes/) as one DVC experiment: `dvc exp run -S ++key=value` per leaf of RECIPE,
@@ -184,7 +184,7 @@ MAIN_PORT ?= 29500
 STAGE ?= sft
 train-multinode: setup ## one node of multi-node STAGE(s): RECIPE, then data+base on rank 0
 	$(if $(strip $(RECIPE)),python scripts/recipe.py apply $(RECIPE))
-	$(if $(filter 0,$(MACHINE_RANK)),dvc repro prepare base)
+	$(if $(filter 0,$(MACHINE_RANK)),python scripts/workspace_run.py dvc repro prepare base)
 	for stage in $(STAGE); do \
 	  accelerate launch --config_file configs/accelerate/multi_node.yaml --num_machines $(NUM_MACHINES) \
 	    --num_processes $(NPROC) --machine_rank $(MACHINE_RANK) --main_process_ip $(MAIN_IP) \

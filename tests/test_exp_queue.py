@@ -4,9 +4,17 @@ are scripted here; tests/test_sweep.py runs the real queue end to end."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from agentrl.experiments import queue as exp_queue
+from agentrl.experiments.scratch import GIT_IDENTITY
 
 
 @pytest.fixture
@@ -109,3 +117,90 @@ def test_returns_once_the_workers_have_exited_or_after_settle(scripted):
     calls = scripted([({"a": "Success"}, 1)])  # a worker kept busy (by experiments queued by someone else)
     exp_queue.run_queue(["a"], jobs=1, settle=10)
     assert calls["polls"] == 12  # polls a second apart until 10 s have passed, then returns
+
+
+# ------------------------------------------------------------------------------- one run in the workspace
+ROOT = Path(__file__).resolve().parents[1]
+SLEEPY_STAGE = "stages:\n  s:\n    cmd: sleep 12 && echo done > out.txt\n    params: [x]\n    outs: [out.txt]\n"
+
+
+def _dvc_repo(tmp_path: Path) -> Path:
+    """A git + DVC repository whose one stage sleeps, so that two runs overlap."""
+    env = {**os.environ, **GIT_IDENTITY}
+    (tmp_path / "params.yaml").write_text("x: 1\n")
+    (tmp_path / "dvc.yaml").write_text(SLEEPY_STAGE)
+    for cmd in (
+        ["git", "init", "-q"],
+        [sys.executable, "-m", "dvc", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "commit", "-qm", "init"],
+    ):
+        subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
+    return tmp_path
+
+
+def test_a_second_workspace_run_is_refused_at_once_and_the_first_finishes(tmp_path):
+    """Issue 56: a second workspace `dvc exp run` rewrote params.yaml under the first (here the first then failed
+    with "'NoneType' object is not subscriptable" and the workspace said x: 3 beside a lock for x: 2). Through
+    scripts/workspace_run.py (make repro, train-*, recipe) the second is refused at once, naming the first, and
+    the first's experiment runs with its own params."""
+    repo = _dvc_repo(tmp_path)
+    env = {**os.environ, **GIT_IDENTITY}
+    script = str(ROOT / "scripts" / "workspace_run.py")
+    dvc = [sys.executable, "-m", "dvc", "exp", "run"]
+    first = subprocess.Popen(
+        [sys.executable, script, *dvc, "-S", "x=2"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    owner = repo / exp_queue.WORKSPACE_LOCK.with_suffix(".owner")
+    for _ in range(600):
+        if owner.exists() and (repo / "params.yaml").read_text() == "x: 2\n":
+            break
+        time.sleep(0.05)
+    second = subprocess.run(
+        [sys.executable, script, *dvc, "-S", "x=3"], cwd=repo, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert first.poll() is None, "the first run ended before the second was tried: the test proves nothing"
+    assert second.returncode != 0
+    assert "workspace" in second.stderr and "busy" in second.stderr and f"PID {first.pid}" in second.stderr
+    assert "x=2" in second.stderr and "--temp" in second.stderr, second.stderr
+    assert (repo / "params.yaml").read_text() == "x: 2\n"
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, out
+    assert (repo / "params.yaml").read_text() == "x: 2\n" and (repo / "out.txt").read_text() == "done\n"
+    assert not owner.exists()
+
+
+def test_a_dvc_process_running_a_stage_here_makes_the_workspace_busy(tmp_path):
+    """A `dvc repro` started by hand (no lock of ours) shows in DVC's own rwlock: a run of ours is refused while that
+    process lives, and goes ahead once the entry's process is gone (DVC leaves entries of killed runs behind)."""
+    (tmp_path / ".dvc" / "tmp").mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rwlock = {"write": {str(tmp_path / "out.txt"): {"pid": sleeper.pid, "cmd": "dvc repro"}}, "read": {}}
+    (tmp_path / ".dvc" / "tmp" / "rwlock").write_text(json.dumps(rwlock))
+    try:
+        with pytest.raises(exp_queue.WorkspaceBusy, match=rf"DVC runs a stage here \(PID {sleeper.pid}: dvc repro\)"):
+            with exp_queue.workspace_run(tmp_path, "dvc exp run"):
+                pass
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with exp_queue.workspace_run(tmp_path, "dvc exp run"):
+        assert "dvc exp run" in (tmp_path / exp_queue.WORKSPACE_LOCK.with_suffix(".owner")).read_text()
+
+
+def test_the_api_workspace_mode_is_refused_while_the_workspace_is_busy(tmp_path):
+    from agentrl.api import actions
+    from agentrl.api.checks import APIError
+
+    with exp_queue.workspace_run(tmp_path, "dvc repro"):
+        with pytest.raises(APIError, match="busy: PID .*dvc repro") as refused:
+            with actions._workspace(tmp_path, "agent-x", "workspace"):
+                pass
+        assert refused.value.type == "busy"
+        with actions._workspace(tmp_path, "agent-y", "temp"):  # a temporary workspace does not need it
+            pass

@@ -131,6 +131,42 @@ def test_unknown_and_mistyped_tool_arguments_are_refused_as_the_python_api_refus
     assert ran == []
 
 
+def test_unreadable_lines_get_json_rpc_errors_and_the_session_goes_on(tmp_path):
+    """Issue 56: `{not json` used to get no reply at all (the SDK's transport only logged it), so a client waited
+    forever. Now: -32700 for a line that is not JSON, -32600 for JSON that is not a JSON-RPC message, and the next
+    request is answered as usual."""
+    import subprocess
+    import threading
+
+    lines = ["{not json", "[1, 2]", '{"jsonrpc": "2.0", "id": 7, "method": "ping"}']
+    server = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.api.mcp_server", "--repo", str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=tool_env("disabled"),
+    )
+    no_reply = threading.Timer(60, server.kill)  # a missing reply fails the test instead of hanging it
+    no_reply.start()
+    try:  # stdin stays open until the replies are read, as a client's does (closing it ends the session)
+        server.stdin.write("\n".join(lines) + "\n")
+        server.stdin.flush()
+        replies = [json.loads(server.stdout.readline() or "null") for _ in lines]
+    finally:
+        no_reply.cancel()
+        server.stdin.close()
+        server.wait(timeout=60)
+    assert None not in replies, f"no reply to some of {lines}: {replies}"
+    assert [(r.get("id"), r.get("error", {}).get("code")) for r in replies] == [
+        (None, -32700),
+        (None, -32600),
+        (7, None),
+    ]
+    assert replies[0]["error"]["message"].startswith("Parse error")
+    assert replies[2]["result"] == {}
+
+
 @pytest.mark.slow
 def test_run_experiment_end_to_end_over_mcp(repo):
     """A tiny override run through the MCP server: metrics and progress come back, the experiment is in

@@ -21,6 +21,7 @@ import yaml
 from agentrl import config
 from agentrl.api import actions as agent_api
 from agentrl.api import checks as agent_checks
+from agentrl.api import probe
 from agentrl.experiments import overrides
 from agentrl.experiments.scratch import GIT_IDENTITY, copy_repo
 from conftest import ROOT, mini_params, tool_env
@@ -85,8 +86,17 @@ class FakeDVC:
             self.spawned.append(a[:1])
             raise AssertionError(f"a process was started: {a[:1]}")
 
+        real_popen = subprocess.Popen
+
+        def probe_only(*a, **kw):  # api/probe.py's child, this interpreter running that module, is the one allowed
+            if a[:1] == ([sys.executable, "-m", "agentrl.api.probe"],) and not kw.get("shell"):
+                self.probes += 1
+                return real_popen(*a, **kw)
+            return refuse(*a, **kw)
+
+        self.probes = 0
+        monkeypatch.setattr(subprocess, "Popen", probe_only)
         for mod, name in [
-            (subprocess, "Popen"),
             (subprocess, "run"),
             (os, "system"),
             (os, "popen"),
@@ -271,6 +281,57 @@ def test_an_override_cannot_make_gymnasium_import_a_module(repo, fake):
     assert fake.calls == [] and snapshot(repo) == before
     ov["environments.gymnasium"] = {**knobs, "env_id": "FrozenLake-v1"}
     assert "error" not in run(repo, ov, name="probe2")
+
+
+RG_TERMS = {"num_train": 8, "num_test": 4, "task": "chain_sum", "tool": "calculator"}
+
+
+def test_an_environment_too_large_to_generate_is_refused_before_the_run(repo, fake, monkeypatch):
+    """Issue 56 item 6: reasoning-gym `min_terms: 999999999` was accepted (prepare then hit a 6 GiB cap after 126 s,
+    holding the API's run lock), as was a 250x250 Gymnasium map (still running after 20 min). Their cost is measured
+    before the run (api/probe.py: a few rows generated under a clock and a memory cap) and the run refused naming the
+    environment; nothing runs. The caps are lowered here to keep the test short; the defaults are 60 s / 3 GiB."""
+    monkeypatch.setattr(probe, "PROBE_RSS_BYTES", 1 << 30)
+    monkeypatch.setattr(probe, "PROBE_TIMEOUT_S", 20.0)
+    before = snapshot(repo)
+    huge_terms = {**RG_TERMS, "config": {"min_terms": 999_999_999, "max_terms": 999_999_999}}
+    ov = {"agent.environment": "reasoning_gym", "agent.tools": [], "environments.reasoning_gym": huge_terms}
+    err = refused(run(repo, ov), "too_costly", "environments.reasoning_gym")
+    assert "over 1024 MiB of memory" in err["message"] or "still running after" in err["message"], err
+    big_map = ["S" + "F" * 249] + ["F" * 250] * 248 + ["F" * 249 + "G"]
+    knobs = {"num_train": 6, "num_test": 6, "env_id": "FrozenLake-v1", "max_steps": 12}
+    ov = {
+        "agent.environment": "gymnasium",
+        "agent.tools": [],
+        "environments.gymnasium": {**knobs, "env_kwargs": {"desc": big_map, "is_slippery": False}},
+    }
+    err = refused(run(repo, ov, name="probe2"), "too_costly", "environments.gymnasium")
+    assert "still running after 20 s" in err["message"] or "MiB of memory" in err["message"], err
+    assert fake.calls == [] and fake.probes == 2 and snapshot(repo) == before
+
+
+def test_the_rows_an_environment_asks_for_are_bounded_by_their_measured_time(repo, monkeypatch):
+    """The measured cost per row, extrapolated to num_train + num_test, against prepare's budget: the same knobs are
+    accepted (with the estimate) under the default budget and refused, naming the row count, under a tiny one."""
+    tree = mini_params()
+    tree["agent"].update(environment="countdown", tools=[])
+    tree["environments"]["countdown"].update(num_train=1_000_000, num_test=500)
+    ov = {"environments.countdown.num_train": 1_000_000}
+    measured = probe.probe_environment(tree, ov)
+    assert measured["rows"] == 1_000_500 and measured["estimated_prepare_s"] >= 0, measured
+    assert probe.probe_environment(tree, {"seed": 3}) is None  # the user's own environment knobs: not probed
+    monkeypatch.setattr(probe, "PREPARE_BUDGET_S", 1e-6)
+    with pytest.raises(agent_checks.APIError, match=r"environments.countdown: 1000500 rows at .* would take prepare"):
+        probe.probe_environment(tree, ov)
+
+
+def test_a_knob_the_generator_rejects_is_named_not_called_too_costly(monkeypatch):
+    tree = mini_params()
+    tree["agent"].update(environment="countdown", tools=[])
+    tree["environments"]["countdown"].update(number_min=50, number_max=10)
+    with pytest.raises(agent_checks.APIError, match=r"environments.countdown: generating rows .* failed") as e:
+        probe.probe_environment(tree, {"environments.countdown.number_min": 50})
+    assert e.value.type == "invalid_value"
 
 
 def test_validation_imports_no_module(monkeypatch):

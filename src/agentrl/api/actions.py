@@ -41,8 +41,10 @@ from typing import Any, Callable, Optional
 
 from .. import config
 from ..experiments import overrides as overrides_mod
+from ..experiments.queue import WorkspaceBusy, workspace_run
 from ..experiments.queue import dvc_stages as stages
 from .checks import APIError, check_experiment_name, check_known, read_params, require, too_large, validate_overrides
+from .probe import probe_environment
 
 Progress = Optional[Callable[[float, Optional[float], str], None]]
 
@@ -295,6 +297,20 @@ def _lock(root: Path, run: _Run):
         lock.release()
 
 
+@contextlib.contextmanager
+def _workspace(root: Path, name: str, mode: str):
+    """Mode 'workspace' holds the workspace from the start (experiments.queue.workspace_run): refused at once while
+    `make repro` or another workspace run is going on there, whose files `dvc exp apply` would overwrite."""
+    if mode != "workspace":
+        yield
+        return
+    try:
+        with workspace_run(root, f"agent API run_experiment {name} (mode workspace)"):
+            yield
+    except WorkspaceBusy as e:
+        raise APIError("busy", str(e), key="mode") from None
+
+
 def _stream(root: Path, cmd: list[str], run: _Run) -> tuple[int, str]:
     """Run a dvc command, feeding its output lines to the progress; returns (exit code, output tail)."""
     proc = subprocess.Popen(
@@ -337,6 +353,7 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
         check_experiment_name(name)
     params, set_args, _ = validate_overrides(repo, overrides)
     set_args = [x for arg in set_args for x in ("-S", arg)]  # each one `dvc exp run -S <arg>`
+    probe_environment(params, overrides)  # sizes bounded by what they cost: refused before any lock is taken
     taken = _git_revision(repo, name)
     if taken:
         raise APIError(
@@ -368,24 +385,25 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
                     "overrides": overrides,
                     "next": "call status to follow it, list_experiments/compare once it has run",
                 }
-            run.update("starting dvc exp run --temp", state="running")
-            t0 = time.time()
-            code, out = _stream(repo, ["dvc", "exp", "run", "--temp", "-n", name, *set_args], run)
-            if code:
-                raise APIError(
-                    "run_failed",
-                    f"dvc exp run failed (exit {code}); the workspace is unchanged. Output tail:\n{out}",
-                    key=None,
-                    stage=_failed_stage(out),
-                    name=name,
-                )
-            rev = _experiment_rev(repo, name)
-            _check_params_reached(repo, rev, params, name)
-            applied = False
-            if mode == "workspace":
-                run.update("applying the experiment to the workspace (dvc exp apply)")
-                _dvc(repo, "exp", "apply", name)
-                applied = True
+            with _workspace(repo, name, mode):
+                run.update("starting dvc exp run --temp", state="running")
+                t0 = time.time()
+                code, out = _stream(repo, ["dvc", "exp", "run", "--temp", "-n", name, *set_args], run)
+                if code:
+                    raise APIError(
+                        "run_failed",
+                        f"dvc exp run failed (exit {code}); the workspace is unchanged. Output tail:\n{out}",
+                        key=None,
+                        stage=_failed_stage(out),
+                        name=name,
+                    )
+                rev = _experiment_rev(repo, name)
+                _check_params_reached(repo, rev, params, name)
+                applied = False
+                if mode == "workspace":
+                    run.update("applying the experiment to the workspace (dvc exp apply)")
+                    _dvc(repo, "exp", "apply", name)
+                    applied = True
             metrics = _read_metrics(repo, rev)
             run.update("done", state="done", stages_done=run.total)
             return {

@@ -28,11 +28,15 @@ from typing import Any, Literal, Optional
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import mcp_types
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.tools import Tool
 from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
+from mcp.server.stdio import stdio_server
+from mcp.shared._context_streams import create_context_streams
+from mcp.shared.message import SessionMessage
 from mcp.types import CallToolResult, TextContent
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import actions
 
@@ -206,12 +210,45 @@ TOOLS = [
 server = MCPServer("agentrl", instructions=INSTRUCTIONS, tools=TOOLS)
 
 
+def rejection(error: Exception) -> SessionMessage:
+    """JSON-RPC's answer to a line the transport could not read as a message: -32700 when it is not JSON at all,
+    -32600 when it is JSON but not a JSON-RPC message (id null: the request's id cannot be read)."""
+    not_json = isinstance(error, ValidationError) and any(e["type"] == "json_invalid" for e in error.errors())
+    code, what = (mcp_types.PARSE_ERROR, "Parse error") if not_json else (mcp_types.INVALID_REQUEST, "Invalid Request")
+    detail = error.errors()[0]["msg"] if isinstance(error, ValidationError) and error.errors() else str(error)
+    reply = mcp_types.JSONRPCError(
+        jsonrpc="2.0", id=None, error=mcp_types.ErrorData(code=code, message=f"{what}: {detail[:200]}")
+    )
+    return SessionMessage(reply)
+
+
+async def serve_stdio() -> None:
+    """`server` over stdio, answering unreadable lines. The SDK's stdio transport hands such a line to the session
+    as an exception, which only logs it: the client waits for a reply that never comes. Here the exception is
+    answered with JSON-RPC's error (rejection) and the session sees the readable messages only."""
+    lowlevel = server._lowlevel_server  # MCPServer.run_stdio_async does the same, minus the answers
+    async with stdio_server() as (from_client, to_client):
+        readable_in, readable_out = create_context_streams[SessionMessage | Exception](0)
+
+        async def answer_unreadable() -> None:
+            async with readable_in:
+                async for item in from_client:
+                    if isinstance(item, Exception):
+                        await to_client.send(rejection(item))
+                    else:
+                        await readable_in.send(item)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(answer_unreadable)
+            await lowlevel.run(readable_out, to_client, lowlevel.create_initialization_options())
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     global ROOT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", default=os.environ.get("AGENTRL_REPO"), help="pipeline repository (default: cwd)")
     ROOT = ap.parse_args(argv).repo
-    server.run("stdio")
+    anyio.run(serve_stdio)
 
 
 if __name__ == "__main__":

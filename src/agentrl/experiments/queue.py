@@ -1,5 +1,6 @@
 """The DVC experiment queue, run to the end without hanging (scripts/sweep.py and scripts/seeds.py); the rule for
-experiment names and dvc.yaml's stages, which the sweeps, `make env` and the agent API share.
+experiment names and dvc.yaml's stages, which the sweeps, `make env` and the agent API share; one run at a time
+in the workspace (workspace_run: `make repro`, `make train-*`, `make recipe`, the API's apply).
 
 `dvc exp run --run-all -j N` starts N queue workers and then waits for each queued task to start. When a worker
 exits while tasks are still queued (DVC 3.x, treeverse/dvc#10398, #10428, #10562: it runs one or two experiments,
@@ -12,11 +13,15 @@ stops with an error naming the experiments when a task is left running with no w
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
@@ -98,6 +103,73 @@ def dvc_stages(root: Path) -> list[dict]:
             }
         )
     return out
+
+
+# ------------------------------------------------------------------------------- one run in the workspace
+# Two runs in one workspace wreck each other: a second `dvc exp run -S` rewrites params.yaml under the first (whose
+# experiment then records the wrong params or fails), and DVC notices only at a stage whose files are locked, or
+# when git's index is. So each workspace run of ours holds WORKSPACE_LOCK for its whole length and a second one is
+# refused at once, naming the first; a DVC process of someone else's running a stage here (DVC's own rwlock names
+# it) refuses it too. Runs in a DVC temporary workspace or the queue (--temp, --queue) touch neither.
+WORKSPACE_LOCK = Path(".dvc/tmp/agentrl-workspace.lock")
+
+
+class WorkspaceBusy(RuntimeError):
+    """Another run holds the workspace; the message names it and what to do instead."""
+
+
+def _alive(pid: object) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError, OverflowError):
+        return False
+    return True
+
+
+def dvc_runs_here(root: Path) -> list[str]:
+    """'PID n: command' of each live process holding one of DVC's stage locks in `root` (.dvc/tmp/rwlock)."""
+    try:
+        lock = json.loads((root / ".dvc/tmp/rwlock").read_text())
+    except (OSError, ValueError):
+        return []
+    holders = {}
+    for mode in ("write", "read"):
+        for infos in (lock.get(mode) or {}).values() if isinstance(lock, dict) else ():
+            for info in infos if isinstance(infos, list) else [infos]:
+                if isinstance(info, dict) and info.get("pid") != os.getpid() and _alive(info.get("pid")):
+                    holders[info["pid"]] = f"PID {info['pid']}: {str(info.get('cmd'))[:200]}"
+    return list(holders.values())
+
+
+@contextlib.contextmanager
+def workspace_run(root: Path, command: str) -> Iterator[None]:
+    """Hold the workspace of `root` while `command` runs there; WorkspaceBusy at once when another run holds it."""
+    from filelock import FileLock, Timeout
+
+    path = root / WORKSPACE_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    owner = path.with_suffix(".owner")
+    lock = FileLock(str(path))
+    instead = (
+        "wait for it to finish, or run this one in a temporary workspace or the queue (dvc exp run --temp / --queue)"
+    )
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            holder = owner.read_text().strip()
+        except OSError:
+            holder = "another process"
+        raise WorkspaceBusy(f"the workspace {root} is busy: {holder}; {instead}") from None
+    try:
+        others = dvc_runs_here(root)
+        if others:
+            raise WorkspaceBusy(f"the workspace {root} is busy: DVC runs a stage here ({'; '.join(others)}); {instead}")
+        owner.write_text(f"PID {os.getpid()}: {command[:300]} (since {time.strftime('%H:%M:%S')})\n")
+        yield
+    finally:
+        owner.unlink(missing_ok=True)
+        lock.release()
 
 
 def dvc(*args: str, capture: bool = True) -> str:
