@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
 
-from agentrl.experiments.queue import WorkspaceBusy, workspace_run
+from agentrl.experiments.queue import run_in_workspace
 from agentrl.experiments.recipe import RecipeError, apply_in_place, check, overrides
 
 
@@ -51,14 +50,8 @@ def main() -> None:
     extra = a.dvc_args[1:] if a.dvc_args[:1] == ["--"] else a.dvc_args
     cmd = ["dvc", "exp", "run", *args, *extra]
     print(" ".join(cmd), flush=True)
-    if {"--temp", "--queue"} & set(extra):  # a temporary workspace or the queue: this one stays untouched
-        sys.exit(subprocess.call(cmd))
-    try:
-        with workspace_run(Path.cwd(), " ".join(cmd)):
-            code = subprocess.call(cmd)
-    except WorkspaceBusy as e:
-        raise SystemExit(f"refused: {e}") from None
-    sys.exit(code)
+    # a temporary workspace or the queue leaves this one untouched; a workspace run holds it (refused when busy)
+    sys.exit(subprocess.call(cmd) if {"--temp", "--queue"} & set(extra) else run_in_workspace(cmd))
 
 
 if __name__ == "__main__":

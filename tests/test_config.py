@@ -1,9 +1,11 @@
+import os
 import re
 
 import pytest
+import yaml
 
 from agentrl.config import ParamsError, load_params, validate_params
-from conftest import ROOT, raw_params
+from conftest import ROOT, mini_params, raw_params
 
 
 def test_repository_params_are_valid():
@@ -270,3 +272,32 @@ def test_a_misspelt_reward_is_refused_when_params_load_naming_the_known_ones():
         validate_params(p)
     p["grpo"]["rewards"] = {"accuracy": 1.0, "my_rewards:score": 0.5}
     assert validate_params(p).grpo.rewards["my_rewards:score"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "stage, section, values, message",
+    [
+        ("base", "model", {"base_model": "models/nothing-here"}, "model.base_model: 'models/nothing-here'"),
+        ("sft", "agent", {"tools": ["no_such_module_q:fn"]}, "agent.tools: cannot import custom tool"),
+        ("grpo", "grpo", {"rewards": {"accuracy": 1.0, "no_such_module_q:fn": 0.5}}, "grpo.rewards: cannot import"),
+        ("sft", "agent", {"tools": [], "environment": "no_such_module_q:Env"}, "agent.environment: cannot import"),
+    ],
+)
+def test_a_users_error_ends_the_stage_in_one_line(workdir, stage, section, values, message):
+    """Issue 56 item 8: a model id that is neither a folder nor on a reachable hub, and a `module:attr` in params
+    that does not import, ended `base` / `sft` / `grpo` in a traceback. Now: a non-zero exit and one line naming
+    the key, no traceback (the stage stops before reading any data or model)."""
+    import subprocess
+    import sys
+
+    params = mini_params()
+    params[section].update(values)
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    run = subprocess.run(
+        [sys.executable, "-m", f"agentrl.stages.{stage}"], cwd=workdir, capture_output=True, text=True, env=env
+    )
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]

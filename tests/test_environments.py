@@ -387,6 +387,64 @@ def test_grpo_rollouts_count_broken_episodes_and_stop_past_the_share(tiny):
         strict([prompt] * 4, trainer)
 
 
+class LosesItsServer:
+    """An environment whose server goes away: every tool call after `lost` is set raises EnvironmentLost."""
+
+    lost = False
+
+    def reset(self, **row):
+        return None
+
+    def check(self, expression: str) -> str:
+        """Check an expression.
+
+        Args:
+            expression: the expression.
+        """
+        from agentrl.envs.contract import EnvironmentLost
+
+        if LosesItsServer.lost:
+            raise EnvironmentLost("http://127.0.0.1:9/ closed the session")
+        return "ok"
+
+
+def test_trl_loop_episodes_whose_server_is_gone_are_counted_as_broken(monkeypatch):
+    """Issue 56 item 1 in TRL's own loop (agent.format chat): TRL counted a tool call that raised as the policy's
+    failed call and went on. Through BrokenEpisodes.track, an episode whose tool raised EnvironmentLost is broken
+    (once, however many calls failed), logged as tools/broken_episode_rate and checked against the share; the
+    tools TRL renders (names, signatures, docstrings) are the environment's own."""
+    import functools
+
+    from transformers.utils import get_json_schema
+
+    from agentrl.agent.loop import BrokenEnvironmentError, BrokenEpisodes
+    from agentrl.envs.contract import EnvironmentLost
+
+    monkeypatch.setattr(LosesItsServer, "lost", False)
+    ledger = BrokenEpisodes(max_share=0.3)
+    factories = ledger.track({"a": functools.partial(LosesItsServer), "b": LosesItsServer})
+    env = factories["a"]()
+    assert isinstance(env, LosesItsServer) and get_json_schema(env.check) == get_json_schema(LosesItsServer().check)
+    for _ in range(3):  # three healthy episodes
+        env.reset(n=1)
+        assert env.check("1+1") == "ok"
+    ledger.check()
+    LosesItsServer.lost = True
+    env.reset(n=2)
+    for _ in range(2):  # the fourth episode loses its server: two failed calls, one broken episode
+        with pytest.raises(EnvironmentLost):
+            env.check("1+1")
+    assert (ledger.episodes, ledger.broken) == (4, 1) and ledger.first.startswith("check: http://127.0.0.1:9/")
+    assert ledger.pop_curves() == {"tools/broken_episode_rate": 0.25} and ledger.pop_curves() == {}
+    ledger.check()  # 1 of 4 is within 0.3
+    other = factories["b"]()
+    other.reset(n=3)
+    with pytest.raises(EnvironmentLost):
+        other.check("2")
+    with pytest.raises(BrokenEnvironmentError, match=r"grpo: 2 of 5 episodes had a broken environment .*first: check"):
+        ledger.check()
+
+
 def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_an_ambiguous_lookup(monkeypatch):
     """Rows that share a prompt (FrozenLake with a hidden map: every prompt is the same) are told apart only by the
     batch the trainer hands over (ToolRollout.batch_rows): each episode gets its own row, in order. Without the

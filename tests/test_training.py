@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -521,6 +522,7 @@ def test_chat_format_pipeline_runs_trl_native_tool_loop(tmp_path, monkeypatch):
         orig(self, *a, **kw)
         seen["response_template"] = getattr(self.processing_class, "response_template", None)
         seen["env_tools"] = {name: [t.__name__ for t in ts] for name, ts in self._env_tools.items()}
+        seen["trainer"] = self
 
     monkeypatch.setattr(trl.GRPOTrainer, "__init__", spy)
     m = grpo.train(params)
@@ -532,3 +534,17 @@ def test_chat_format_pipeline_runs_trl_native_tool_loop(tmp_path, monkeypatch):
     assert (tmp_path / "models/grpo/adapter_config.json").exists()
     e = evaluate(params, "grpo")
     assert e["num_samples"] == 6 and "tool_use_rate" in e and e["tools"] == "calculator"
+    # issue 56 item 1 in TRL's loop: broken episodes are logged, and a reset that fails ends the stage in one line
+    # naming it (TRL's loop would stop with a traceback, or count a lost server as the policy's failed calls)
+    history = seen["trainer"].state.log_history
+    logged = [log["tools/broken_episode_rate"] for log in history if "tools/broken_episode_rate" in log]
+    assert logged and set(logged) == {0.0}, history
+    from agentrl.agent.loop import BrokenEnvironmentError
+
+    def gone(self, **row):
+        raise ConnectionError("server gone")
+
+    monkeypatch.setattr(Calculator, "reset", gone)
+    shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
+    with pytest.raises(BrokenEnvironmentError, match="reset failed in TRL's loop .*ConnectionError: server gone"):
+        grpo.train(params)

@@ -441,6 +441,20 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
     return params
 
 
+def check_imports(params: Params) -> None:
+    """Import every `module:attr` that params name (agent.tools, agent.environment, grpo.rewards): ImportPathError
+    naming the key when one does not import. Validation imports nothing (an agent's params are checked without
+    running code, docs/security.md); the stages call this first, so a typo stops them before any model or data."""
+    from .envs.registry import import_path
+
+    named = [("agent.tools: cannot import custom tool", name) for name in params.agent.tools]
+    named += [("agent.environment: cannot import", params.agent.environment)]
+    named += [("grpo.rewards: cannot import custom reward", name) for name in params.grpo.rewards]
+    for what, name in named:
+        if isinstance(name, str) and ":" in name:
+            import_path(name, what)
+
+
 def load_params_or_exit(path: str | Path = PARAMS_FILE) -> Params:
     """For stage entry points: print the error and exit 2 instead of a traceback."""
     try:

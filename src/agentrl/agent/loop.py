@@ -20,6 +20,8 @@ the ended rows from the batch and its cache; the next call prefills only the new
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +31,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..envs.calculator import Calculator
+from ..envs.contract import TRL_RESERVED, EnvironmentLost
 from .tools import Episode, Toolset, split_annotated
 
 PRUNE_SHARE = 0.5
@@ -75,6 +78,75 @@ def check_broken_episodes(broken: int, episodes: int, first: Optional[str], limi
             f"{where}: {broken} of {episodes} episodes had a broken environment (first: {first}); "
             f"agent.max_broken_share={limit:g} allows {int(limit * episodes)}"
         )
+
+
+class BrokenEpisodes:
+    """Broken episodes in TRL's own multi-turn loop (agent.format chat in grpo: GRPOTrainer(environment_factory=)).
+    TRL counts a tool call that raised as a failed call and lets the episode go on, so a server gone mid-run looks
+    like a policy that calls tools badly. `track(factory)` gives factories whose instances record here: an episode
+    whose tool raised EnvironmentLost is broken (counted once); a reset that raises ends the stage, since TRL's loop
+    cannot skip an episode. `check()` applies agent.max_broken_share as the project's own loop does."""
+
+    def __init__(self, max_share: float, where: str = "grpo"):
+        self.max_share, self.where = max_share, where
+        self.episodes = self.broken = 0
+        self.first: Optional[str] = None
+        self._since_log = [0, 0]  # (episodes, broken) since the last pop_curves
+
+    def track(self, factory):
+        """`factory` (a class, a functools.partial of one, or TRL's {name: factory} dict) made to record here."""
+        if isinstance(factory, dict):
+            return {name: self.track(f) for name, f in factory.items()}
+        if isinstance(factory, functools.partial):
+            return functools.partial(self._counted(factory.func), *factory.args, **factory.keywords)
+        return self._counted(factory)
+
+    def _counted(self, cls: type) -> type:
+        """A subclass of `cls` with the same tools (names, signatures, docstrings: TRL renders them) that records."""
+        ledger = self
+
+        def reset(env, **row):
+            ledger.episodes += 1
+            ledger._since_log[0] += 1
+            env._agentrl_broken = False
+            try:
+                return cls.reset(env, **row)
+            except Exception as error:  # TRL's loop would stop with a traceback: one line naming the cause instead
+                raise BrokenEnvironmentError(
+                    f"{ledger.where}: an environment's reset failed in TRL's loop (agent.format chat), which cannot "
+                    f"skip the episode: {type(error).__name__}: {str(error)[:300]}"
+                ) from None
+
+        def counted_tool(name: str, method):
+            @functools.wraps(method)
+            def tool(env, *args, **kwargs):
+                try:
+                    return method(env, *args, **kwargs)
+                except EnvironmentLost as error:
+                    if not getattr(env, "_agentrl_broken", False):
+                        env._agentrl_broken = True
+                        ledger.broken += 1
+                        ledger._since_log[1] += 1
+                        ledger.first = ledger.first or f"{name}: {str(error)[:300]}"
+                    raise
+
+            return tool
+
+        tools = {
+            name: counted_tool(name, method)
+            for name, method in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if name not in TRL_RESERVED and not name.startswith("_")
+        }
+        return type(cls.__name__, (cls,), {"reset": reset, **tools, "__module__": cls.__module__})
+
+    def check(self) -> None:
+        check_broken_episodes(self.broken, self.episodes, self.first, self.max_share, self.where)
+
+    def pop_curves(self) -> dict[str, float]:
+        """tools/broken_episode_rate over the episodes since the last call (the project's loop logs the same)."""
+        episodes, broken = self._since_log
+        self._since_log = [0, 0]
+        return {"tools/broken_episode_rate": broken / episodes} if episodes else {}
 
 
 class _GrowingLayer(DynamicLayer):

@@ -7,11 +7,11 @@ arguments (`ground_truth`) and return one float per completion, as `GRPOTrainer`
 
 from __future__ import annotations
 
-import importlib
 import re
 from typing import Callable, Optional
 
 from ..answers import answers_match, extract_answer, normalize_number
+from ..envs.registry import ImportPathError, import_path
 
 
 def _text(completion) -> str:
@@ -166,13 +166,9 @@ def get_reward(name: str, reward_kwargs: Optional[dict] = None) -> Callable:
     if name in REGISTRY:
         fn = REGISTRY[name]
     elif ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"grpo.rewards: cannot import custom reward '{name}': {error}") from None
+        fn = import_path(name, "grpo.rewards: cannot import custom reward")
         if not callable(fn):
-            raise ValueError(f"grpo.rewards: '{name}' is not callable")
+            raise ImportPathError(f"grpo.rewards: '{name}' is not callable")
     else:
         raise ValueError(
             f"grpo.rewards: unknown reward '{name}'; known: {', '.join(sorted(REGISTRY))} "

@@ -25,7 +25,15 @@ from typing import Callable, Optional
 from ..envs import mixture
 from ..envs.calculator import Calculator, ToolError, calculator
 from ..envs.contract import EnvironmentLost
-from ..envs.registry import TASKS, TOOLS, call_tool, environment_tools, get_environment, import_path
+from ..envs.registry import (
+    TASKS,
+    TOOLS,
+    ImportPathError,
+    call_tool,
+    environment_tools,
+    get_environment,
+    import_path,
+)
 
 MAX_RESULT_CHARS = 200  # a tool result longer than this is cut (what the policy reads back)
 
@@ -44,7 +52,7 @@ def get_tool(name: str) -> Callable[..., str]:
     if ":" in name:
         fn = import_path(name, "agent.tools: cannot import custom tool")
         if not callable(fn):
-            raise ValueError(f"agent.tools: '{name}' is not callable")
+            raise ImportPathError(f"agent.tools: '{name}' is not callable")
         return fn
     raise ValueError(
         f"agent.tools: unknown tool '{name}'; known: {', '.join(sorted(TOOLS))} (or a custom one as 'module:function')"

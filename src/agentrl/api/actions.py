@@ -338,6 +338,24 @@ def _failed_stage(output: str) -> Optional[str]:
     return stages[-1] if stages else None
 
 
+def _check_name_free(repo: Path, name: str) -> None:
+    """APIError unless `name` is free: no git revision (it would be read back as that commit), no experiment."""
+    taken = _git_revision(repo, name)
+    if taken:
+        raise APIError(
+            "invalid_value",
+            f"'name' {name!r} is already a git revision here (a branch, tag, remote or ref: commit {taken[:12]}); "
+            "an experiment of that name would be read back as that commit: choose another name",
+            key="name",
+        )
+    if name in experiment_names(repo) or _run_in_progress(repo, name):
+        raise APIError(
+            "name_conflict",
+            f"an experiment named '{name}' already exists for this baseline; choose another name",
+            key="name",
+        )
+
+
 def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Progress = None) -> dict:
     check_known(args, ARGUMENTS["run_experiment"])
     repo = _root(root)
@@ -354,20 +372,7 @@ def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Prog
     params, set_args, _ = validate_overrides(repo, overrides)
     set_args = [x for arg in set_args for x in ("-S", arg)]  # each one `dvc exp run -S <arg>`
     probe_environment(params, overrides)  # sizes bounded by what they cost: refused before any lock is taken
-    taken = _git_revision(repo, name)
-    if taken:
-        raise APIError(
-            "invalid_value",
-            f"'name' {name!r} is already a git revision here (a branch, tag, remote or ref: commit {taken[:12]}); "
-            "an experiment of that name would be read back as that commit: choose another name",
-            key="name",
-        )
-    if name in experiment_names(repo) or _run_in_progress(repo, name):
-        raise APIError(
-            "name_conflict",
-            f"an experiment named '{name}' already exists for this baseline; choose another name",
-            key="name",
-        )
+    _check_name_free(repo, name)
     run = _Run(repo, name, mode, overrides, progress)
     try:
         with _lock(repo, run):

@@ -112,8 +112,13 @@ def environment_tools(env) -> dict[str, Callable[..., str]]:
     return {name: getattr(env, name) for name in _tool_names(type(env))}
 
 
+class ImportPathError(ValueError):
+    """A `module:attr` that params name (agent.tools, agent.environment, grpo.rewards) cannot be imported or is not
+    what its key needs: a user's error, which a stage reports in one line (no traceback)."""
+
+
 def import_path(name: str, what: str):
-    """The object a `module:attr` path names, or ValueError '<what> '<name>': <why>'.
+    """The object a `module:attr` path names, or ImportPathError '<what> '<name>': <why>'.
 
     Args:
         name: a `module:attr` path.
@@ -126,7 +131,7 @@ def import_path(name: str, what: str):
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as error:
-        raise ValueError(f"{what} '{name}': {error}") from None
+        raise ImportPathError(f"{what} '{name}': {error}") from None
 
 
 def call_tool(fn: Callable[..., str], *args, **kwargs) -> tuple[str, bool]:
@@ -162,7 +167,7 @@ def get_environment(name: str) -> type:
     if ":" in name:
         cls = import_path(name, "agent.environment: cannot import")
         if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
-            raise ValueError(f"agent.environment: '{name}' is not a class with a reset(**row) method")
+            raise ImportPathError(f"agent.environment: '{name}' is not a class with a reset(**row) method")
         return cls
     raise ValueError(
         f"agent.environment: unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} "

@@ -172,6 +172,18 @@ def workspace_run(root: Path, command: str) -> Iterator[None]:
         lock.release()
 
 
+def run_in_workspace(command: list[str]) -> int:
+    """Run `command` (dvc repro, a workspace dvc exp run) holding the workspace of the current directory; its exit
+    status. A busy workspace exits at once (SystemExit naming the run that holds it); nothing is run or written."""
+    import shlex
+
+    try:
+        with workspace_run(Path.cwd(), shlex.join(command)):
+            return subprocess.call(command)
+    except WorkspaceBusy as e:
+        raise SystemExit(f"refused: {e}") from None
+
+
 def dvc(*args: str, capture: bool = True) -> str:
     """Run this interpreter's `dvc` (the venv's, else the one on PATH); exit naming the command when it fails."""
     exe = Path(sys.executable).parent / "dvc"

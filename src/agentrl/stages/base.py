@@ -215,6 +215,10 @@ def build_tiny(params: Params) -> dict:
     return info
 
 
+class BaseModelError(ValueError):
+    """model.base_model names no model this machine can load (no such folder, not on the hub, or the hub offline)."""
+
+
 def from_hub(params: Params) -> dict:
     """The base stage for a hub model: download model.base_model at model.revision into models/base.
 
@@ -226,14 +230,21 @@ def from_hub(params: Params) -> dict:
     """
     name, rev = params.model.base_model, params.model.revision
     log.info("loading %s at revision %s", name, rev)
-    tokenizer = bake_chat_template_kwargs(load_tokenizer_hub(name, rev), params.model.chat_template_kwargs)
-    # straight into the training dtype with the training attention (no fp32 load then cast)
-    model = load_model(
-        name,
-        dtype=torch_dtype(params.model.precision),
-        revision=rev,
-        attn_implementation=params.model.attn_implementation,
-    )
+    try:
+        tokenizer = bake_chat_template_kwargs(load_tokenizer_hub(name, rev), params.model.chat_template_kwargs)
+        # straight into the training dtype with the training attention (no fp32 load then cast)
+        model = load_model(
+            name,
+            dtype=torch_dtype(params.model.precision),
+            revision=rev,
+            attn_implementation=params.model.attn_implementation,
+        )
+    except OSError as error:  # transformers / huggingface_hub: no such folder, no such repo, or no hub to ask
+        why = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        where = "a local folder without a model" if Path(name).is_dir() else "not a local folder, and the hub"
+        raise BaseModelError(
+            f"model.base_model: {name!r} (revision {rev!r}) cannot be loaded: {where} says: {why}"
+        ) from None
     commit = getattr(model.config, "_commit_hash", None)
     if commit is None and Path(name).is_dir():  # a local directory (a snapshot, a stand-in): no hub lookup
         commit = f"local:{model_files_digest(name)}"
@@ -312,7 +323,11 @@ def main() -> None:
             log.error("%s", error)
             raise SystemExit(1) from None
     else:
-        info = from_hub(params)
+        try:
+            info = from_hub(params)
+        except BaseModelError as error:  # a user's model id or path: one line naming it, no traceback
+            log.error("%s", error)
+            raise SystemExit(1) from None
     info["runtime_s"] = round(time.time() - t0, 2)
     load_tokenizer(STAGE_DIRS["base"])  # fail here, not downstream, if the saved tokenizer is unusable
     info["peak_rss_mb"] = peak_rss_mb()

@@ -25,10 +25,10 @@ from ..agent.rewards import build_rewards
 from ..agent.tools import toolset_from_params
 from ..answers import answers_match, extract_answer, normalize_number
 from ..common import get_logger, peak_rss_mb, torch_dtype, write_metrics
-from ..config import Params, load_params_or_exit
+from ..config import Params, check_imports, load_params_or_exit
 from ..data import load_jsonl, write_jsonl
 from ..envs.openenv_client import OpenEnvError
-from ..envs.registry import episode_solved
+from ..envs.registry import ImportPathError, episode_solved
 
 TEST = "data/prepared/test.jsonl"
 log = get_logger("eval")
@@ -411,6 +411,7 @@ def evaluate(
         The metrics written to metrics/eval_<name>.json.
     """
     name = name or stage
+    check_imports(params)  # a typo in a module:attr stops here, before the model is loaded
     rows = load_jsonl(TEST)[:limit] if limit else load_jsonl(TEST)
     if not rows:  # an accuracy over zero problems is not a result
         raise EmptyEvalError(f"{TEST}: no problems to evaluate (the file holds no rows); re-run the prepare stage")
@@ -470,7 +471,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         evaluate(load_params_or_exit(), args.stage, args.name, args.quantize)
-    except (EmptyEvalError, BrokenEnvironmentError, OpenEnvError) as error:  # OpenEnvError names the server's URL
+    except (EmptyEvalError, BrokenEnvironmentError, OpenEnvError, ImportPathError) as error:  # each names its key/URL
         log.error("%s", error)
         raise SystemExit(1) from None
 

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ..agent.loop import BrokenEnvironmentError
+from ..agent.loop import BrokenEnvironmentError, BrokenEpisodes
 from ..agent.rewards import build_rewards
 from ..agent.tools import toolset_from_params
 from ..common import file_digest, get_logger, model_files_digest, resolve_precision, torch_dtype, world_size
@@ -551,10 +551,14 @@ def train(params: Params) -> dict:
     resume = _resume_checkpoint(params, args)
     rollout, environment_factory = rollout_plan(params, args, tok, list(ds))
     finish = baked_tool_template(tok) if environment_factory else None
+    # TRL's own loop (agent.format chat): its episodes' broken environments counted as the project's loop counts them
+    ledger = BrokenEpisodes(params.agent.max_broken_share) if environment_factory else None
+    environment_factory = ledger.track(environment_factory) if ledger else None
+    curves = rollout or ledger
 
     class GRPOWithToolCurves(GRPOTrainer):
         def log(self, logs, start_time=None):  # the tool loop's curves (tools/*) join TRL's metrics in each log
-            logs.update(rollout.pop_curves() if rollout else {})
+            logs.update(curves.pop_curves() if curves else {})
             super().log(logs, start_time)
 
         def _generate_and_score_completions(self, inputs):
@@ -562,7 +566,10 @@ def train(params: Params) -> dict:
             # inputs, in the prompts' order (TRL 1.16 builds the prompts from them)
             if rollout is not None:
                 rollout.batch_rows = inputs
-            return super()._generate_and_score_completions(inputs)
+            batch = super()._generate_and_score_completions(inputs)
+            if ledger is not None:
+                ledger.check()
+            return batch
 
     trainer = GRPOWithToolCurves(
         model=model,

@@ -25,7 +25,8 @@ from ..common import (
     world_size,
     write_checkpoint_checksums,
 )
-from ..config import Params, ParamsError, load_params_or_exit
+from ..config import Params, ParamsError, check_imports, load_params_or_exit
+from ..envs.registry import ImportPathError
 from ..modeling import STAGE_DIRS, lora_config, save_stage_result
 from ..passthrough import PassthroughError, build_passthrough, passthrough_value
 
@@ -110,10 +111,10 @@ def peft_config(params: Params, stage: str):
 
 
 def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
-    """Seed, CPU threads and tracking, then the stage's TRL config `config(params, report_to=, run_name=)`;
-    returns it with the tracking callbacks. The config comes before any work: it stops on a bad value, and it
-    registers the DeepSpeed config, so the model created next is ZeRO-3-partitioned (zero3_init_flag) in its
-    target dtype.
+    """The imports params name (config.check_imports), seed, CPU threads and tracking, then the stage's TRL config
+    `config(params, report_to=, run_name=)`; returns it with the tracking callbacks. The config comes before any
+    work: it stops on a bad value, and it registers the DeepSpeed config, so the model created next is
+    ZeRO-3-partitioned (zero3_init_flag) in its target dtype.
 
     Args:
         params: the run's params.
@@ -127,6 +128,7 @@ def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
 
     from .. import tracking
 
+    check_imports(params)  # a typo in a module:attr stops the stage here, before any model or data is read
     set_seed(params.seed)
     configure_cpu_threads()
     track = tracking.setup(params, stage)
@@ -370,8 +372,9 @@ def save(trainer, tokenizer, stage: str, metrics_path: str, metrics: dict) -> di
 
 
 def main(stage: str, train_stage: Callable[[Params], dict], *errors: type[Exception]) -> None:
-    """`train_stage(params.yaml)`; a value the TRL config rejects (PassthroughError, named by its section) or one of
-    the stage's own `errors` ends the process with exit status 2 and the message.
+    """`train_stage(params.yaml)`; a value the TRL config rejects (PassthroughError, named by its section), a
+    `module:attr` of params that does not import (ImportPathError) or one of the stage's own `errors` ends the
+    process with exit status 2 and the message.
 
     Args:
         stage: sft or grpo (the logger's name).
@@ -381,6 +384,6 @@ def main(stage: str, train_stage: Callable[[Params], dict], *errors: type[Except
     params = load_params_or_exit()
     try:
         train_stage(params)
-    except (ParamsError, PassthroughError, *errors) as error:
+    except (ParamsError, PassthroughError, ImportPathError, *errors) as error:
         get_logger(stage).error("%s", error)
         raise SystemExit(2) from None
