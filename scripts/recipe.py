@@ -1,6 +1,6 @@
 """Apply a params recipe (configs/recipes/*.yaml) as one DVC experiment, or to params.yaml itself.
 
-    python scripts/recipe.py run configs/recipes/qwen3-0.6b-gsm8k.yaml [-- <dvc exp run args>]
+    python scripts/recipe.py run configs/recipes/qwen3-0.6b-gsm8k.yaml [more.yaml ...] [-- <dvc exp run args>]
     python scripts/recipe.py show configs/recipes/qwen3-0.6b-gsm8k.yaml      # the -S arguments only
     python scripts/recipe.py apply configs/recipes/qwen3-0.6b-gsm8k.yaml [more.yaml ...] [--force]
 
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument(
         "dvc_args",
         nargs=argparse.REMAINDER,
-        help="run: after --, extra `dvc exp run` arguments; "
+        help="run: more recipes (a later one wins), then after -- extra `dvc exp run` arguments; "
         "apply: more recipes, then --force to apply over uncommitted edits of params.yaml",
     )
     a = ap.parse_args()
@@ -40,14 +40,17 @@ def main() -> None:
             changes = apply_in_place([a.recipe, *more], force="--force" in a.dvc_args)
             print("\n".join(changes) if changes else "params.yaml already has every value of the recipe")
             return
-        args = [x for o in overrides(a.recipe) for x in ("-S", o)]
+        cut = a.dvc_args.index("--") if "--" in a.dvc_args else len(a.dvc_args)
+        head, extra = a.dvc_args[:cut], a.dvc_args[cut + 1 :]  # before --: more recipes (and, unseparated, dvc's)
+        more = [x for x in head if x.endswith((".yaml", ".yml"))]
+        extra = [x for x in head if x not in more] + extra
+        args = [x for recipe in (a.recipe, *more) for o in overrides(recipe) for x in ("-S", o)]
         if a.command == "show":
             print("\n".join(args[1::2]))
             return
-        check(a.recipe)
+        check(a.recipe, more=more)
     except RecipeError as e:
         raise SystemExit(str(e)) from None
-    extra = a.dvc_args[1:] if a.dvc_args[:1] == ["--"] else a.dvc_args
     cmd = ["dvc", "exp", "run", *args, *extra]
     print(" ".join(cmd), flush=True)
     # a temporary workspace or the queue leaves this one untouched; a workspace run holds it (refused when busy)

@@ -148,6 +148,18 @@ class ProbeCalculator(TapeCalculator):
 
 
 @pytest.mark.slow
+def test_the_foreign_openenv_and_miniature_recipes_validate_together():
+    """Form 4 (examples/environments/openenv-foreign.yaml) and the miniature recipe validate with the stages' own
+    loader, applied in the order docs/environments.md gives (`recipe.py run A B`: the later one wins)."""
+    from agentrl.experiments.recipe import check
+
+    params, _ = recipe_params("openenv-foreign.yaml")
+    assert params.agent.environment == "openenv" and params.agent.environment_url == "http://127.0.0.1:8001"
+    check(EXAMPLES / "openenv-foreign.yaml", ROOT / "params.yaml", more=[EXAMPLES / "miniature.yaml"])
+    mini, _ = recipe_params("miniature.yaml")
+    assert mini.sft.trainer["max_steps"] == 6 and mini.model.tiny.num_hidden_layers == 1
+
+
 def test_the_class_example_trains_through_the_pipeline(copy_repo):
     """prepare -> base -> SFT -> evaluation of the SFT model on miniature params, with the example class (a subclass
     that logs its calls) as the environment, in a copy of the repository, as `dvc repro` runs the stages: the class

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from agentrl.agent.tools import _ANNOTATION
@@ -73,18 +74,23 @@ def test_served_environment_plays_an_episode_through_openenv_core_client_as_in_p
             assert [t["name"] for t in state["tools"]] == list(tools) and state["environment"] == name
             first = client.reset(**row)
             assert first.observation["text"] == want_obs
-            got = [client.step({"tool": tool, "arguments": {next(iter(_params(tools[tool]))): a}}) for a in arguments]
+            got = [client.step(call(tool, **{next(iter(_params(tools[tool]))): a})) for a in arguments]
             assert [g.observation["text"] for g in got] == want
             assert got[-1].reward == want_reward
-            solved = client.step({"tool": JUDGE_TOOL, "arguments": {"text": answer}})
+            solved = client.step(call(JUDGE_TOOL, text=answer))
             assert solved.observation["solved"] == want_solved
-            unknown = client.step({"tool": "nope", "arguments": {}})
+            unknown = client.step(call("nope"))
             assert unknown.observation["text"].startswith("error: unknown tool 'nope'; available: ")
             big = {"x": "1" * 10_000}
-            huge = client.step({"tool": tool, "arguments": big})
+            huge = client.step(call(tool, **big))
             assert huge.observation["text"] == f"error: arguments of {len(json.dumps(big))} characters (at most 8192)"
     finally:
         server.stop()
+
+
+def call(tool: str, **arguments) -> dict:
+    """One tool call as our server takes it: OpenEnv's MCP action shape."""
+    return {"type": "call_tool", "tool_name": tool, "arguments": arguments}
 
 
 def _params(method) -> list[str]:
@@ -337,12 +343,48 @@ def _post(url: str, path: str, body: bytes) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
+def test_openenv_mcp_tool_client_plays_an_episode_against_our_server(tmp_path):
+    """Issue 55 item 2: openenv-core's MCPToolClient got `Invalid message (code: VALIDATION_ERROR)` from `make
+    env-server`: our server took its own action shape only. It now takes OpenEnv's MCP actions: the client lists the
+    tools (the judge action is not one) and plays a countdown episode through call_tool, against the server the
+    make target starts (`python -m agentrl.envs.openenv_server --env countdown`, params.yaml's knobs)."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from openenv.core.mcp_client import MCPToolClient
+
+    (tmp_path / "params.yaml").write_text(
+        yaml.safe_dump({"environments": {"countdown": {"num_train": 1, "num_test": 1}}})
+    )
+    cmd = [sys.executable, "-m", "agentrl.envs.openenv_server", "--env", "countdown", "--port", "0"]
+    server = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    async def episode(url):
+        async with MCPToolClient(base_url=url, connect_timeout_s=10, message_timeout_s=30) as env:
+            tools = await env.list_tools()
+            await env.reset(numbers=[3, 5, 3], target=24)
+            return tools, [await env.call_tool("check", expression=e) for e in ("3+5+3", "(3+5)*3")]
+
+    try:
+        url = server.stdout.readline().strip()
+        assert url.startswith("http://"), url
+        tools, answers = asyncio.run(episode(url))
+    finally:
+        server.kill()
+        server.wait()
+    assert [t.name for t in tools] == ["check"] and tools[0].input_schema["properties"]["expression"][
+        "type"
+    ] == "string"
+    assert tools[0].description and answers == ["11 low", "24 yes"]
+
+
 def test_the_server_answers_calls_out_of_order_bad_rows_and_huge_bodies_with_4xx():
     """Issue 55 item 4: POST /step before any reset and /reset with a bad row answered 500 with a traceback in the
     server's log; /reset and /step took 100 MB bodies (RSS 428 -> 1,618 MB). Now: 409, 422 naming why, 413."""
     server = serve_in_thread("countdown")
     try:
-        step = json.dumps({"action": {"tool": "check", "arguments": {"expression": "1+1"}}}).encode()
+        step = json.dumps({"action": call("check", expression="1+1")}).encode()
         assert _post(server.url, "/step", step) == (
             409,
             '{"detail":"no episode: reset first (or the last reset failed)"}',
@@ -391,16 +433,17 @@ def test_a_streamed_body_past_the_limit_is_refused_without_reaching_the_app():
 def test_a_failed_reset_ends_the_previous_episode():
     """Issue 55 item 4: a reset that failed (seed "x") left the previous episode live; the next call continued it."""
     from fastapi import HTTPException
+    from openenv.core.env_server.mcp_types import CallToolAction
 
-    from agentrl.envs.openenv_server import ServedEnvironment, ToolCallAction
+    from agentrl.envs.openenv_server import ServedEnvironment
 
     env = ServedEnvironment("countdown", {})
     env.reset(numbers=[3, 5, 3], target=24)
-    assert env.step(ToolCallAction(tool="check", arguments={"expression": "(3+5)*3"})).text == "24 yes"
+    assert env.step(CallToolAction(tool_name="check", arguments={"expression": "(3+5)*3"})).text == "24 yes"
     with pytest.raises(HTTPException, match="reset refused the row"):
         env.reset(numbers="x", target=24)
     with pytest.raises(HTTPException, match="no episode"):
-        env.step(ToolCallAction(tool="check", arguments={"expression": "(3+5)*3"}))
+        env.step(CallToolAction(tool_name="check", arguments={"expression": "(3+5)*3"}))
 
 
 HOSTILE_TOOL_LISTS = {  # (a served tool spec, what the error says): each raised a raw exception without the URL
@@ -653,3 +696,97 @@ def test_bench_openenv_transport_times_both_paths_on_the_same_rollouts():
     assert r["rollouts"] == 6 and r["tool_calls"] >= 6  # every countdown demonstration checks at least once
     assert r["in_process_seconds"]["runs"] == r["openenv_seconds"]["runs"] == 2
     assert r["ratio"] == statistics.median(r["round_ratios"]) > 0
+
+
+# ------------------------------------------------------------------------- (d) anyone's OpenEnv server by URL
+@pytest.fixture(scope="module")
+def foreign():
+    """OpenEnv's own kinds of server (tests/openenv_foreign.py): MCP tools, a typed step action, and neither."""
+    from openenv_foreign import apps, serve
+
+    servers = {kind: serve(app) for kind, app in apps().items()}
+    yield {kind: server.url for kind, server in servers.items()}
+    for server in servers.values():
+        server.stop()
+
+
+def test_an_mcp_servers_tools_become_the_policys_tools(foreign):
+    """Issue 55 item 1: an echo_env-style server (its tools over MCP) was refused ("its state has no 'tools' list ...
+    not an agentrl environment server"). Its listed tools become methods with the schema TRL renders, called with
+    OpenEnv's call_tool; its reward is the server's, and an episode is solved when it reaches 1."""
+    from transformers.utils import get_json_schema
+
+    cls = remote_environment_class(foreign["mcp"], "openenv", {}, 10)
+    assert cls.kind == "mcp" and environment_tools(cls()).keys() == {"echo"}
+    env = cls()
+    schema = get_json_schema(env.echo)["function"]
+    assert schema["description"] == "Echo a message back." and schema["parameters"]["required"] == ["message"]
+    assert schema["parameters"]["properties"]["message"] == {"type": "string", "description": "the text to echo."}
+    assert env.reset(word="hi") is None
+    assert (env.echo("nope"), env.get_reward(), episode_solved({}, "", env)) == ("nope", 0.0, False)
+    assert (env.echo(message="hi"), env.get_reward(), episode_solved({}, "", env)) == ("hi", 1.0, True)
+
+
+def test_a_typed_action_server_becomes_one_tool_act(foreign):
+    """A grid_world-style server (a typed step action, no tool list) was refused the same way. Its action schema is
+    one tool, `act` (the enum a Literal, rendered back as the schema's enum); the answer is the observation; an
+    action the schema refuses is an error answer and the episode goes on (not a lost server)."""
+    from transformers.utils import get_json_schema
+
+    cls = remote_environment_class(foreign["actions"], "openenv", {}, 10)
+    env = cls()
+    assert cls.kind == "actions" and environment_tools(env).keys() == {"act"}
+    action = get_json_schema(env.act)["function"]["parameters"]["properties"]["action"]
+    assert action["enum"] == ["UP", "DOWN", "LEFT", "RIGHT"]
+    assert env.reset(seed=1) == '{"message": "start at 0 0, goal at 1 1", "position": [0, 0]}'
+    assert env.act("NORTH") == "error: Invalid message (code: VALIDATION_ERROR)"
+    assert env.act("DOWN") == '{"message": "moved", "position": [1, 0]}' and env.get_reward() == 0.0
+    assert env.act(action="RIGHT").startswith('{"message": "goal"') and episode_solved({}, "", env) is True
+
+
+def test_a_server_offering_neither_is_refused_before_any_stage_in_one_line(foreign, workdir):
+    """A server with no tool list, no MCP tools and no step action fields stops `prepare` (the first stage) in one
+    line naming the URL and what it lacks; a foreign server under a built-in agent.environment names the fix."""
+    import subprocess
+    import sys
+
+    def prepare_with(environment: str, url: str) -> subprocess.CompletedProcess:
+        p = mini_params()
+        p["agent"].update(environment=environment, tools=[], environment_url=url)
+        (workdir / "params.yaml").write_text(yaml.safe_dump(p))
+        cmd = [sys.executable, "-m", "agentrl.stages.prepare"]
+        return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
+
+    for environment, url, says in [
+        ("openenv", foreign["none"], "offers no tools: its state lists none"),
+        ("countdown", foreign["mcp"], "but agent.environment is 'countdown': set agent.environment: openenv"),
+    ]:  # fmt: skip
+        run = prepare_with(environment, url)
+        errors = [line for line in run.stderr.splitlines() if " ERROR " in line]
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert len(errors) == 1 and url in errors[0] and says in errors[0], run.stderr[-2000:]
+        assert not (workdir / "data/prepared").exists()
+    ok = prepare_with("openenv", foreign["mcp"])
+    assert ok.returncode == 0 and "server kind mcp, tools echo" in ok.stderr, ok.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, call", [("mcp", "<<hi="), ("actions", "<<DOWN=")])
+def test_grpo_trains_on_a_foreign_server_by_url(foreign, kind, call, tmp_path):
+    """Acceptance (issue 55): our GRPO path trains two steps on each foreign kind by URL (agent.environment openenv);
+    the policy's calls reach the server and its reward, and the weights change."""
+    from agentrl.config import validate_params
+    from agentrl.data import messages
+
+    raw = mini_params()
+    raw["agent"].update(environment="openenv", tools=[], format="inline", environment_url=foreign[kind])
+    rows = [{"prompt": messages("", f"Say hi {i}"), "question": f"Say hi {i}", "ground_truth": "hi", "word": "hi"}
+            for i in range(4)]  # fmt: skip
+    answer = f"{call}\n#### hi"
+    tok, model = tiny_lm([r["question"] + answer for r in rows] * 8, 300)
+    _teach_calls(tok, model, [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+                              + answer for r in rows])  # fmt: skip
+    before = [p.detach().clone() for p in model.parameters()]
+    rolls, weights = _grpo_run(validate_params(raw), tok, model, rows, tmp_path, kind)
+    assert sum(sum(r["tool_calls"]) for r in rolls) > 0, "the policy never called the server's tool"
+    assert any(not torch.equal(a, b) for a, b in zip(before, weights.values())), "two steps changed nothing"

@@ -405,3 +405,108 @@ def test_grpo_killed_after_its_last_save_loads_it_instead_of_training_again(prep
     assert m["resumed_from"].endswith("checkpoint-5") and m["steps"] == 5 and m["steps_this_run"] == 0, m
     assert "ends a finished run" in err
     assert final_weights("grpo", prepared) == reference
+
+
+# ------------------------------------------------------------------ kill -9 at random moments (issue 56 acceptance)
+# `kill -9` from outside at moments drawn at random over an uninterrupted run's wall time, one in each of
+# KILL_MOMENTS equal slices of it (imports, data, steps, saves, the final save, the metrics), then the stage re-run:
+# each re-run must end with the uninterrupted run's bytes. KILL_MOMENTS kills per stage (2 in CI's slow suite; the
+# acceptance run used 10), KILL_SEED the draw.
+KILL_MOMENTS = int(os.environ.get("KILL_MOMENTS", "2"))
+
+
+def stage_bytes(stage: str, cwd: Path) -> dict[str, str]:
+    """sha256 of what the stage leaves: the trained weights, or for export every file of models/merged."""
+    if stage != "export":
+        return final_weights(stage, cwd)
+    merged = cwd / "models/merged"
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(merged.iterdir()) if p.is_file()}
+
+
+def landing(stage: str, cwd: Path, started: float) -> str:
+    """Where a kill landed, from what the stage had written by then (`started`: the run's start, time.time())."""
+    from agentrl.common import checkpoint_problem
+
+    if stage == "export":
+        if (cwd / "models/merged.partial").exists():
+            return "staging copy being written or checked"
+        swapped = (cwd / "models/merged/export_check.json").stat().st_mtime > started
+        return "after the swap" if swapped else "before the staging copy"
+    ckpts = sorted((cwd / "checkpoints" / stage).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    done = [p.name for p in ckpts if checkpoint_problem(p) is None]
+    if (cwd / "models" / stage).is_dir():
+        return "after the final save began"
+    return f"newest complete {done[-1]}" if done else "before the first complete checkpoint"
+
+
+def plain_run(stage: str, cwd: Path) -> subprocess.Popen:
+    """`python -m agentrl.stages.<stage>` as the pipeline runs it, no hooks."""
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", f"agentrl.stages.{stage}"]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def kill_at_random_moments(stage: str, cwd: Path, moments: int, seed: int) -> list[str]:
+    """An uninterrupted subprocess run (its wall time T and bytes), then `moments` times: the stage's own outputs
+    removed (export: models/merged kept, it is the previous verified model), a run killed at a moment drawn in the
+    k-th of `moments` equal slices of T, the
+    state checked (export: models/merged in place and verified), a re-run, the bytes compared. Returns one line per
+    kill saying where it landed."""
+    from agentrl.modeling import export_check_problem
+
+    started = time.monotonic()
+    finish(plain_run(stage, cwd))
+    wall, reference = time.monotonic() - started, stage_bytes(stage, cwd)
+    assert reference, f"{stage} left nothing to compare"
+    rng, lines = random.Random(f"{seed}-{stage}"), []
+    for k in range(moments):
+        if stage != "export":
+            shutil.rmtree(cwd / "checkpoints" / stage, ignore_errors=True)
+            shutil.rmtree(cwd / "models" / stage, ignore_errors=True)
+        at = rng.uniform(k * wall / moments, (k + 1) * wall / moments)  # one moment in each slice of the run
+        began = time.time()
+        proc = plain_run(stage, cwd)
+        time.sleep(at)
+        finished = proc.poll() is not None  # (poll reaps a finished child: its pid may not be killed then)
+        if not finished:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=300)
+        where = "finished before the kill" if finished else landing(stage, cwd, began)
+        if stage == "export":  # never missing, never unverified, whatever the moment
+            assert export_check_problem(cwd / "models/merged") is None, f"seed {seed} kill {k} at {at:.1f}s ({where})"
+        finish(plain_run(stage, cwd))
+        got = stage_bytes(stage, cwd)
+        assert got == reference, f"seed {seed} (KILL_SEED) kill {k} at {at:.1f}s of {wall:.1f}s ({where}): bytes differ"
+        lines.append(f"{stage} kill {k + 1}: at {at:5.1f} s of {wall:.1f} s, {where}; re-run: identical bytes")
+    return lines
+
+
+@pytest.fixture
+def longer(workdir):
+    """As `prepared`, with more steps, so that training, not the imports, fills most of a stage's wall time and the
+    random kills land between checkpoints too (save_steps 5: one save in five steps)."""
+    from agentrl.config import load_params
+    from agentrl.stages import base, prepare
+
+    p = mini_params()
+    p["tracking"]["report_to"] = []
+    p["sft"]["trainer"].update(max_steps=60, save_steps=5)
+    p["grpo"]["trainer"].update(max_steps=30, save_steps=5)
+    write_params(workdir / "params.yaml", p)
+    params = load_params()
+    prepare.prepare(params)
+    base.build_tiny(params)
+    return workdir
+
+
+@pytest.mark.slow
+def test_killed_at_random_moments_every_rerun_ends_with_the_uninterrupted_bytes(longer):
+    """Issue 56 acceptance: SFT, GRPO and export each killed with SIGKILL at KILL_MOMENTS random moments; every
+    re-run ends with bytes equal to an uninterrupted run's, and models/merged is never missing or unverified."""
+    seed = int(os.environ.get("KILL_SEED", time.time_ns() % 100_000))
+    lines = [f"KILL_SEED={seed} KILL_MOMENTS={KILL_MOMENTS}"]
+    for stage in ("sft", "grpo", "export"):
+        lines += kill_at_random_moments(stage, longer, KILL_MOMENTS, seed)
+    print("\n".join(lines))
+    if out := os.environ.get("KILL_REPORT"):
+        Path(out).write_text("\n".join(lines) + "\n")

@@ -289,10 +289,17 @@ class AgentParams(Strict):
 
     @model_validator(mode="after")
     def _url_needs_environment(self) -> "AgentParams":
+        from .envs.registry import FOREIGN
+
         if self.environment_url and (not self.environment or self.environment == "mixture"):
             raise ValueError(
                 "agent.environment_url plays agent.environment over OpenEnv: set agent.environment (one environment, "
-                f"not a mixture), got {self.environment!r}"
+                f"not a mixture; {FOREIGN}: whatever a server that is not ours serves), got {self.environment!r}"
+            )
+        if self.environment == FOREIGN and self.environment_url in (None, "serve"):
+            raise ValueError(
+                f"agent.environment {FOREIGN} is the environment of the OpenEnv server at agent.environment_url: set "
+                f"its URL (http://host:port), got {self.environment_url!r}"
             )
         return self
 

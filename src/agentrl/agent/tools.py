@@ -290,9 +290,9 @@ class Toolset:
         if not environment and not names:
             raise ValueError("agent.tools is empty: there is no tool to call")
         self.environment = environment or None
-        # env_class: `environment` played elsewhere (agent.environment_url: its OpenEnv client class)
-        local_class = get_environment(environment) if environment else functions_environment(list(names))
-        self.env_class = env_class or local_class
+        if env_class is None:  # else `environment` is played elsewhere (its OpenEnv client class)
+            env_class = get_environment(environment) if environment else functions_environment(list(names))
+        self.env_class = env_class
         self.env_kwargs = dict(env_kwargs or {})
         # a mixture (envs/mixture.py): one factory per member, as TRL's environment_factory dict; each row's
         # `environment` picks its episode's (factory_for)

@@ -1,11 +1,24 @@
 """An environment served over OpenEnv (agentrl.envs.openenv_server) as a class in TRL's `environment_factory` shape
 (issue 42).
 
-`remote_environment_class(url)` asks the server for its tools (openenv-core's `GenericEnvClient`, WebSocket
-`state`) and returns a class with `reset(**row)`, one method per server tool with the tool's real signature and
-docstring (so TRL's GRPOTrainer(environment_factory=...) and our loop render and call the same tools as in-process)
-and `get_reward()` when the served environment has one. Each instance is one OpenEnv session (one WebSocket), opened
-at its first reset and reused by later resets (TRL pools its instances).
+`remote_environment_class(url)` asks the server for its tools (openenv-core's `GenericEnvClient`) and returns a class
+with `reset(**row)`, one method per server tool with the tool's real signature and docstring (so TRL's
+GRPOTrainer(environment_factory=...) and our loop render and call the same tools as in-process) and `get_reward()`
+when the served environment has one. Each instance is one OpenEnv session (one WebSocket), opened at its first reset
+and reused by later resets (TRL pools its instances).
+
+Any OpenEnv server, in one of three kinds (`describe` tells them apart, in this order):
+
+  agentrl  ours (agentrl.envs.openenv_server): its `state` lists the tools with their signatures and docstrings;
+           the run's agent.environment is the one it serves, and "solved" is that environment's rule (judged there)
+  mcp      it answers OpenEnv's `list_tools` action (an MCPEnvironment, e.g. OpenEnv's echo_env): each listed tool
+           becomes a method, its parameters from the tool's JSON input schema, called with `call_tool`
+  actions  its step takes a typed action (e.g. a grid world's `{"action": "UP"}`): the action's JSON schema (GET
+           /schema) becomes one tool, `act`, whose arguments are the action's fields and whose answer is the
+           observation
+
+The last two are "foreign" (agent.environment: openenv): the run trains on whatever the server serves, with its reward
+(an episode is solved when the server's reward reaches 1) and the data params give (data.source).
 
 Nothing hangs: connecting and every message have a timeout. A server that refuses, hangs or answers malformed JSON
 is an `OpenEnvError` naming the URL when the class is made (the stage's start) and at reset; mid-episode a tool
@@ -32,6 +45,18 @@ from .contract import EnvironmentLost
 
 MAX_ANNOTATION_CHARS = 200  # a served annotation is parsed: a bound keeps a hostile one from exhausting the parser
 JUDGE_TOOL = "_episode_solved"  # the server's action that answers "solved" by the environment's own rule
+FOREIGN = "openenv"  # agent.environment for a server that is not ours: whatever it serves (registry.FOREIGN)
+ACT_TOOL = "act"  # a typed-action server's one tool: the step action's fields as its arguments
+MAX_SCHEMA_BYTES = 1 << 20  # GET /schema: a bigger answer is refused
+# JSON schema types as the annotations a served tool may use (_TYPE_NAMES); anything else is left as Any
+_JSON_TYPES = {
+    "string": "str",
+    "integer": "int",
+    "number": "float",
+    "boolean": "bool",
+    "array": "list",
+    "object": "dict",
+}
 MAX_MESSAGE_BYTES = 1 << 20  # one WebSocket message (a reset row, a step): uvicorn refuses bigger ones
 STARTUP_TIMEOUT_S = 60.0  # `serve`: the server subprocess must print its URL within this
 
@@ -45,6 +70,11 @@ _TYPE_NAMES: dict[str, Any] = {
 
 class OpenEnvError(RuntimeError):
     """An OpenEnv server could not be reached or answered something unusable; the message names its URL."""
+
+
+class ServerRefused(OpenEnvError):
+    """The server answered a call with an error message (a bad action, a row its reset refused, no free session):
+    its reason is in the message, and the session stays open."""
 
 
 _LOOP: list = []  # one event loop thread for every client of this process (not one thread per episode)
@@ -135,6 +165,13 @@ class Session:
 
         try:  # connect + one message, each with its own timeout inside; this deadline covers both
             return _run(connected(), 2 * self.timeout_s + 1)
+        except RuntimeError as e:
+            if str(e).startswith("Server error:"):  # GenericEnvClient: the server answered {"type": "error"}
+                raise ServerRefused(
+                    f"openenv server {self.url}: {what}: {str(e)[len('Server error:') :].strip()}"
+                ) from None
+            self.close()
+            raise OpenEnvError(f"openenv server {self.url}: {what}: {_why(e)}") from e
         except Exception as e:  # noqa: BLE001 - every transport failure becomes one error that names the server
             self.close()
             raise OpenEnvError(f"openenv server {self.url}: {what}: {_why(e)}") from e
@@ -169,27 +206,119 @@ class Session:
 
 
 def describe(url: str, timeout_s: float) -> dict:
-    """The server's environment and tools (its OpenEnv `state`), checked for the fields a client needs.
+    """The server's kind, environment and tools (module docstring: agentrl, mcp, actions), the tools as our state
+    lists them (name, doc, parameters, returns). OpenEnvError in one line naming what the server lacks when it is
+    none of the three.
 
     Args:
         url: the server's http:// or ws:// URL.
-        timeout_s: seconds for connecting and for the answer.
+        timeout_s: seconds for connecting and for each answer.
 
     Returns:
-        The state: environment, class_name, knobs, has_reward, tools.
+        {kind, environment, class_name, knobs, has_reward, tools}.
     """
     session = Session(url, timeout_s)
     try:
         state = session.call("reading its tools (state)", session.client.state)
+        tools = state.get("tools") if isinstance(state, dict) else None
+        if isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+            return {**state, "kind": "agentrl"}
+        listed = _listed_tools(session)
     finally:
         session.close()
-    tools = state.get("tools") if isinstance(state, dict) else None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
-        raise OpenEnvError(
-            f"openenv server {url}: its state has no 'tools' list of {{name, doc, parameters}}: not an agentrl "
-            f"environment server (python -m agentrl.envs.openenv_server); got keys {sorted(state or {})[:10]}"
-        )
-    return state
+    foreign = {"environment": FOREIGN, "knobs": {}, "has_reward": True}
+    if listed:
+        specs = [_spec_from_schema(t.get("name"), t.get("description"), t.get("input_schema"), url) for t in listed]
+        return {**foreign, "kind": "mcp", "class_name": "MCPTools", "tools": specs}
+    action = _action_schema(url, timeout_s)
+    if action and action.get("properties"):
+        spec = _spec_from_schema(ACT_TOOL, action.get("description") or action.get("title"), action, url)
+        return {**foreign, "kind": "actions", "class_name": str(action.get("title") or "Action"), "tools": [spec]}
+    raise OpenEnvError(
+        f"openenv server {url}: offers no tools: its state lists none (an agentrl server's does), it answers no "
+        "list_tools action (an MCP environment's does) and GET /schema gives no step action with fields "
+        f"(a typed-action environment's does); state keys: {sorted(state or {})[:10]}"
+    )
+
+
+def _listed_tools(session: "Session") -> Optional[list[dict]]:
+    """The tools an MCP environment lists (OpenEnv's `list_tools` step action), None when it answers none."""
+    try:
+        answer = session.call("listing its tools (list_tools)", session.client.step, {"type": "list_tools"})
+    except OpenEnvError:  # not an MCP environment: its step refused the action
+        return None
+    tools = answer.observation.get("tools") if isinstance(answer.observation, dict) else None
+    if isinstance(tools, list) and tools and all(isinstance(t, dict) for t in tools):
+        return tools
+    return None
+
+
+def _action_schema(url: str, timeout_s: float) -> Optional[dict]:
+    """The JSON schema of the server's step action (openenv-core's GET /schema), None when it gives none."""
+    import urllib.request
+
+    http = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{http}/schema", timeout=timeout_s) as answer:  # noqa: S310 - the user's URL
+            body = answer.read(MAX_SCHEMA_BYTES + 1)
+        schema = json.loads(body) if len(body) <= MAX_SCHEMA_BYTES else None
+    except (OSError, ValueError):
+        return None
+    action = schema.get("action") if isinstance(schema, dict) else None
+    if not isinstance(action, dict) or not isinstance(action.get("properties"), dict):
+        return None
+    return {**action, "properties": {k: v for k, v in action["properties"].items() if k != "metadata"}}
+
+
+def _spec_from_schema(name: Any, description: Any, schema: Any, url: str) -> dict:
+    """A tool spec as our state lists them, from a JSON schema of the tool's arguments: one parameter per property,
+    annotated by its JSON type (Optional, default None, when not required), and a docstring with an Args line each
+    (the form TRL's renderer, transformers' get_json_schema, reads). Names and annotations are then checked as any
+    served tool's are (_tool_method)."""
+    where = f"openenv server {url}: tool {str(name)[:60]!r}"
+    if not isinstance(name, str) or not isinstance(schema, dict) or not isinstance(schema.get("properties", {}), dict):
+        raise OpenEnvError(f"{where}: a listed tool needs a name and an input schema with 'properties'")
+    props, required = schema.get("properties") or {}, set(schema.get("required") or [])
+    params, lines = [], []
+    for pname in sorted(props, key=lambda p: p not in required):  # a signature lists the required ones first
+        prop = props[pname] if isinstance(props[pname], dict) else {}
+        typ = _JSON_TYPES.get(prop.get("type"), "Any")
+        choices = prop.get("enum")
+        if isinstance(choices, list) and choices and all(isinstance(c, (str, int)) for c in choices):
+            literal = f"Literal[{', '.join(repr(c) for c in choices)}]"  # rendered as the schema's enum again
+            typ = literal if len(literal) <= MAX_ANNOTATION_CHARS - 10 else typ
+        param = {"name": pname, "annotation": typ}
+        if pname not in required:
+            default = prop.get("default")
+            param.update(default=default, annotation=f"Optional[{typ}]" if default is None else typ)
+        params.append(param)
+        lines.append(f"    {pname}: {' '.join(str(prop.get('description') or prop.get('title') or pname).split())}")
+    doc = " ".join(str(description or name).split()) + ("\n\nArgs:\n" + "\n".join(lines) if lines else "")
+    return {"name": name, "doc": doc, "parameters": params, "returns": "str"}
+
+
+def answer_text(observation: Any, kind: str) -> Optional[str]:
+    """What the policy reads from an observation: our server's `text`; an MCP call's result (its error as
+    `error: ...`); a typed observation's fields (one string field as it is, several as compact JSON). None when the
+    observation says nothing (an MCP environment's reset)."""
+    if not isinstance(observation, dict):
+        return None if observation is None else str(observation)
+    if kind == "agentrl":
+        return observation.get("text")
+    if kind == "mcp" and ("result" in observation or "error" in observation):
+        error = observation.get("error")
+        if error:
+            return f"error: {error.get('message') if isinstance(error, dict) else error}"
+        result = observation.get("result")
+        if isinstance(result, dict):  # a FastMCP CallToolResult as JSON: its data, else its text contents
+            texts = [c.get("text") for c in result.get("content") or [] if isinstance(c, dict) and c.get("text")]
+            result = result.get("data") if result.get("data") is not None else "\n".join(texts) or result
+        return result if isinstance(result, str) else json.dumps(result)
+    fields = {k: v for k, v in observation.items() if v not in (None, "", [], {}) and k not in ("tool_name",)}
+    if not fields:
+        return None
+    only = next(iter(fields.values()))
+    return only if len(fields) == 1 and isinstance(only, str) else json.dumps(fields, sort_keys=True)
 
 
 def _annotation(text: Optional[str], where: str):
@@ -288,6 +417,7 @@ class RemoteEnvironment:
     url: str = ""
     timeout_s: float = 10.0
     environment: str = ""
+    kind: str = "agentrl"  # describe's kinds: agentrl, mcp, actions
 
     def __init__(self):
         self._session: Optional[Session] = None
@@ -303,20 +433,27 @@ class RemoteEnvironment:
             self._session = Session(self.url, self.timeout_s)
         try:
             result = self._session.call("reset", self._session.client.reset, **row)
-        except OpenEnvError as e:
+        except OpenEnvError as e:  # a refusal (its reason in the message) leaves the session open: closed here
+            self._session.close()
             self._session, self._lost = None, str(e)
             raise
         self._reward, self._lost = finite_reward(result.reward, f"openenv server {self.url}: reset"), None
-        return result.observation.get("text")
+        return answer_text(result.observation, self.kind)
 
     def _step(self, tool: str, arguments: dict):
         """The server's StepResult for one action; OpenEnvError (session dropped) when the episode is lost."""
         if self._lost is not None:
             raise OpenEnvError(self._lost)
         try:
-            result = self._session.call(
-                f"tool '{tool}'", self._session.client.step, {"tool": tool, "arguments": arguments}
+            # a typed-action server's step takes the action's fields; ours and MCP ones OpenEnv's MCP call shape
+            action = (
+                arguments
+                if self.kind == "actions"
+                else {"type": "call_tool", "tool_name": tool, "arguments": arguments}
             )
+            result = self._session.call(f"tool '{tool}'", self._session.client.step, action)
+        except ServerRefused:
+            raise  # the call was refused (e.g. an action its schema rejects): the episode goes on
         except OpenEnvError as e:
             self._session, self._lost = None, f"{e} (the episode's session is closed)"
             raise
@@ -327,13 +464,18 @@ class RemoteEnvironment:
         """A tool's answer; a transport failure is EnvironmentLost, which the tool loop turns into an `error: ...`
         answer and a broken episode (stages count those apart from wrong answers)."""
         try:
-            text = self._step(tool, arguments).observation.get("text")
+            text = answer_text(self._step(tool, arguments).observation, self.kind)
+        except ServerRefused as e:  # the policy's call was wrong: an error answer, as a tool that raised gives
+            return f"error: {str(e).split(': ', 2)[-1][:300]}"
         except OpenEnvError as e:
             raise EnvironmentLost(str(e)) from None
         return text if isinstance(text, str) else json.dumps(text)
 
     def _episode_solved(self, row: dict, text: str) -> Optional[bool]:
-        """Solved by the served environment's own rule (registry.episode_solved on the server, which saw the row)."""
+        """Solved by the served environment's own rule (registry.episode_solved on the server, which saw the row); a
+        foreign server's episode when its reward reached 1 (the rule of a custom environment with get_reward)."""
+        if self.kind != "agentrl":
+            return self._reward is not None and self._reward >= 1.0
         try:
             return self._step(JUDGE_TOOL, {"text": text}).observation.get("solved")
         except OpenEnvError:
@@ -341,7 +483,7 @@ class RemoteEnvironment:
 
     def __del__(self):
         # at interpreter shutdown the client loop's thread may be gone: closing would wait out its deadline
-        if getattr(self, "_session", None) is not None and not sys.is_finalizing():
+        if getattr(self, "_session", None) is not None and sys is not None and not sys.is_finalizing():
             self._session.close(wait=False)
 
 
@@ -367,13 +509,18 @@ def remote_environment_class(
     state = describe(url, timeout_s)
     served = state.get("environment")
     if environment is not None and served != environment:
-        raise OpenEnvError(f"openenv server {url} serves '{served}', but agent.environment is '{environment}'")
+        hint = (
+            f"set agent.environment: {FOREIGN} to train on what it serves ({state['kind']} tools)"
+            if served == FOREIGN
+            else f"set agent.environment: {served}"
+        )
+        raise OpenEnvError(f"openenv server {url} serves '{served}', but agent.environment is '{environment}': {hint}")
     if knobs is not None and (state.get("knobs") or {}) != knobs:
         raise OpenEnvError(
             f"openenv server {url} runs '{served}' with knobs {state.get('knobs')}, but params.environments give "
             f"{knobs}: start it with the same params (make env-server) or use agent.environment_url: serve"
         )
-    members: dict[str, Any] = {"url": url, "timeout_s": timeout_s, "environment": served or ""}
+    members: dict[str, Any] = {"url": url, "timeout_s": timeout_s, "environment": served or "", "kind": state["kind"]}
     for spec in state["tools"]:
         members[spec["name"]] = _tool_method(spec, url)
     if state.get("has_reward"):

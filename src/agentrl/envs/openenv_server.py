@@ -5,16 +5,20 @@ TRL's `environment_factory` shape (registry.ENVIRONMENTS or `module:Class`) per 
 
   reset   the row goes in reset's kwargs (`{"type": "reset", "data": row}`); the observation's `text` is what the
           environment's reset returned (null when it returned None, as TRL's loop needs to know)
-  step    one tool call `{"tool": name, "arguments": {...}}` -> `text` (the tool's answer, or `error: ...` for an
-          unknown tool, bad arguments, an oversized action or a tool that raised), `reward` (the environment's
-          get_reward() after the call, null without one) and `done` (its `done` attribute, false without one)
+  step    one tool call in OpenEnv's MCP action shape, `{"type": "call_tool", "tool_name": name, "arguments": {...}}`
+          -> `text` (the tool's answer, or `error: ...` for an unknown tool, bad arguments, an oversized action or a
+          tool that raised; also in `result`, where OpenEnv's MCPToolClient reads it), `reward` (the environment's
+          get_reward() after the call, null without one) and `done` (its `done` attribute, false without one);
+          `{"type": "list_tools"}` -> the tools as MCP lists them (name, description, input schema)
   state   the episode id and step count plus `environment`, `knobs`, `has_reward` and `tools`: each tool's name,
           docstring, parameters (name, annotation as written, JSON default) and return annotation, so a client can
           rebuild the methods with their real signatures (openenv_client), and its JSON schema for other clients
 
-One more action, `{"tool": "_episode_solved", "arguments": {"text": final_text}}`, answers `solved`: whether the
-episode was solved by the environment's own rule (registry.episode_solved with the row reset saw). A tool's name never
-starts with "_", so the policy cannot reach it through a tool call.
+So openenv-core's `MCPToolClient` lists and calls the tools (its default transport, the WebSocket's step), as does
+our client (openenv_client), which also reads `state`. One more call, tool `_episode_solved` with `{"text":
+final_text}`, answers `solved`: whether the episode was solved by the environment's own rule (registry.episode_solved
+with the row reset saw). A tool's name never starts with "_", so the policy cannot reach it through a tool call, and
+list_tools does not list it.
 """
 
 from __future__ import annotations
@@ -31,8 +35,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from openenv.core.env_server.interfaces import Environment
-from openenv.core.env_server.types import Action, Observation, State
-from pydantic import Field
+from openenv.core.env_server.mcp_types import (
+    CallToolAction,
+    CallToolObservation,
+    ListToolsAction,
+    ListToolsObservation,
+    Tool,
+)
+from openenv.core.env_server.types import Observation, State
 
 from .openenv_client import JUDGE_TOOL, MAX_MESSAGE_BYTES
 
@@ -42,15 +52,14 @@ MAX_RESULT_CHARS = 65536  # what a tool answers over the wire (our loop then cut
 MAX_SESSIONS = 1024  # concurrent episodes (TRL pools one instance per rollout of a batch; ours one per completion)
 
 
-class ToolCallAction(Action):
-    """One tool call: the tool's name and its keyword arguments."""
-
-    tool: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
-    arguments: dict[str, Any] = Field(default_factory=dict)
-
-
 class ToolObservation(Observation):
-    """What reset or a tool call answered (`text`), and for the judge action whether the episode was solved."""
+    """What reset answered (`text`: null when the environment's reset returned None)."""
+
+    text: Optional[str] = None
+
+
+class ToolCallObservation(CallToolObservation):
+    """What a tool call answered: `text` (also MCP's `result`), and for the judge whether the episode was solved."""
 
     text: Optional[str] = None
     solved: Optional[bool] = None
@@ -157,29 +166,49 @@ class ServedEnvironment(Environment):
         self.row = dict(row)
         return ToolObservation(text=None if obs is None else str(obs), reward=self._reward(), done=False)
 
-    def step(self, action: ToolCallAction, timeout_s: Optional[float] = None, **kwargs: Any) -> ToolObservation:
-        """One tool call; every failure is an `error: ...` observation, as tools.Episode answers it in-process. A step
-        with no episode (no reset yet, or the last one failed) is refused with 409."""
+    def step(self, action: CallToolAction | ListToolsAction, timeout_s: Optional[float] = None, **kwargs: Any):
+        """One tool call; every failure is an `error: ...` observation, as tools.Episode answers it in-process. A call
+        with no episode (no reset yet, or the last one failed) is refused with 409; listing the tools needs none."""
         from fastapi import HTTPException
 
         from .registry import call_tool, episode_solved
 
+        if isinstance(action, ListToolsAction):
+            return ListToolsObservation(tools=self._mcp_tools(), reward=None, done=False)
         if self.row is None:
             raise HTTPException(409, "no episode: reset first (or the last reset failed)")
         self._state.step_count += 1
-        if action.tool == JUDGE_TOOL:
+        name = action.tool_name
+        if name == JUDGE_TOOL:
             text = action.arguments.get("text")
             solved = episode_solved(self.row or {}, text if isinstance(text, str) else "", self.env)
-            return ToolObservation(text=None, solved=solved, reward=self._reward(), done=self._done())
+            return ToolCallObservation(tool_name=name, solved=solved, reward=self._reward(), done=self._done())
         size = len(json.dumps(action.arguments, default=str))
-        fn = self.tools.get(action.tool)
+        fn = self.tools.get(name)
         if size > MAX_ACTION_CHARS:
             text = f"error: arguments of {size} characters (at most {MAX_ACTION_CHARS})"
         elif fn is None:
-            text = f"error: unknown tool '{action.tool[:40]}'; available: {', '.join(self.tools)}"
+            text = f"error: unknown tool '{name[:40]}'; available: {', '.join(self.tools)}"
         else:
             text, _ = call_tool(fn, **action.arguments)  # a raise becomes "error: ...", as in our loop
-        return ToolObservation(text=text[:MAX_RESULT_CHARS], reward=self._reward(), done=self._done())
+        text = text[:MAX_RESULT_CHARS]
+        return ToolCallObservation(
+            tool_name=name[:MAX_TOOL_NAME_CHARS], text=text, result=text, reward=self._reward(), done=self._done()
+        )
+
+    def _mcp_tools(self) -> list[Tool]:
+        """The tools as MCP lists them: name, description and input schema (transformers' rendering of the method,
+        the one TRL shows the policy; an undocumented tool gets its parameter names only)."""
+        tools = []
+        for name, fn in self.tools.items():
+            spec = tool_spec(name, fn)
+            function = (spec["schema"] or {}).get("function", {})
+            params = [p["name"] for p in spec["parameters"]]
+            schema = function.get("parameters") or {"type": "object", "properties": {p: {} for p in params}}
+            tools.append(
+                Tool(name=name, description=function.get("description") or spec["doc"] or "", input_schema=schema)
+            )
+        return tools
 
     def _reward(self) -> Optional[float]:
         return float(self.env.get_reward()) if self.has_reward else None
@@ -219,7 +248,8 @@ def build_app(name: str, knobs: Optional[dict] = None, max_sessions: int = MAX_S
 
     factory = functools.partial(ServedEnvironment, name, dict(knobs or {}))
     factory().state  # noqa: B018 - builds the instance and the tool specs once: errors surface before serving
-    return create_app(factory, ToolCallAction, ToolObservation, env_name=name, max_concurrent_envs=max_sessions)
+    # CallToolAction as the action class: openenv-core then routes OpenEnv's MCP actions (call_tool, list_tools) to step
+    return create_app(factory, CallToolAction, ToolCallObservation, env_name=name, max_concurrent_envs=max_sessions)
 
 
 def _limit_bodies(app, max_bytes: int = MAX_MESSAGE_BYTES):

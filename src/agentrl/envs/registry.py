@@ -28,6 +28,9 @@ ENVIRONMENTS: dict[str, type] = {
     "reasoning_gym": reasoning_gym_tasks.ReasoningGym,
     "mixture": mixture.Mixture,  # no episode class of its own: each row runs its member's (Toolset.factory_for)
 }
+# agent.environment for an OpenEnv server that is not ours (agent.environment_url): whatever it serves, its tools
+# listed over MCP or its typed step action (envs/openenv_client.py); no class here, the data is params' data.source
+FOREIGN = "openenv"
 # built-in environments that generate their own data (prepare)
 TASKS = {
     "countdown": countdown,
@@ -46,10 +49,11 @@ IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 def check_environment_name(name: Optional[str]) -> Optional[str]:
     """agent.environment: None, a registered name or `module:Class` by form (validation imports no module; the stage
     does). ValueError listing the known names."""
-    if name is None or name in ENVIRONMENTS or IMPORT_PATH.fullmatch(name):
+    if name is None or name in ENVIRONMENTS or name == FOREIGN or IMPORT_PATH.fullmatch(name):
         return name
     raise ValueError(
-        f"unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} (or a custom one as 'module:Class')"
+        f"unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} (or a custom one as 'module:Class', "
+        f"or {FOREIGN} with agent.environment_url: any OpenEnv server)"
     )
 
 
@@ -164,6 +168,8 @@ def get_environment(name: str) -> type:
     """
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
+    if name == FOREIGN:
+        raise ValueError(f"agent.environment: {FOREIGN} is the environment agent.environment_url serves; set that URL")
     if ":" in name:
         cls = import_path(name, "agent.environment: cannot import")
         if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):

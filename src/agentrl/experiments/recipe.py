@@ -63,22 +63,26 @@ def apply(params_file: str | Path, recipe: str | Path) -> None:
     apply_overrides(str(params_file), overrides(recipe))
 
 
-def check(recipe: str | Path, params_file: str | Path = "params.yaml") -> None:
-    """Apply the recipe to a scratch copy of `params_file` and validate the result; RecipeError naming the
-    recipe and every invalid key otherwise.
+def check(recipe: str | Path, params_file: str | Path = "params.yaml", more: Iterable[str | Path] = ()) -> None:
+    """Apply the recipe (then each of `more`, a later one winning) to a scratch copy of `params_file` and validate
+    the result; RecipeError naming the recipes and every invalid key otherwise.
 
     Args:
         recipe: the recipe file.
         params_file: the params.yaml the recipe would be applied to (left untouched).
+        more: recipes applied after it.
     """
+    recipes = [recipe, *more]
     with tempfile.TemporaryDirectory() as d:
         scratch = Path(d) / "params.yaml"
         shutil.copy(params_file, scratch)
-        apply(scratch, recipe)
+        for one in recipes:
+            apply(scratch, one)
         try:
             load_params(scratch)
         except ParamsError as e:
-            raise RecipeError(f"{recipe}: the overridden params are invalid:\n{e}") from None
+            names = " + ".join(str(r) for r in recipes)
+            raise RecipeError(f"{names}: the overridden params are invalid:\n{e}") from None
 
 
 def applied_text(params_text: str, recipes: Iterable[str | Path]) -> str:

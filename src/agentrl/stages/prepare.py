@@ -381,12 +381,34 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
     return metrics
 
 
+def check_environment_server(params: Params) -> None:
+    """agent.environment_url (a URL): the server's kind detected and its tools checked before any stage trains
+    (envs/openenv_client.py: ours, MCP tools or a typed step action); OpenEnvError in one line naming the URL and
+    what the server lacks, or which agent.environment it needs."""
+    from ..envs.openenv_client import remote_environment_class
+
+    agent = params.agent
+    if agent.environment_url in (None, "serve"):
+        return
+    task = TASKS.get(agent.environment)
+    knobs = (params.environments.get(agent.environment) or {}) if task else {}
+    runtime = {k: v for k, v in knobs.items() if k in task.ENV_DEFAULTS} if task else {}
+    served = remote_environment_class(agent.environment_url, agent.environment, runtime, agent.tool_timeout_s)
+    tools = [name for name in vars(served) if not name.startswith("_") and callable(vars(served)[name])]
+    names = ", ".join(t for t in tools if t != "get_reward")
+    log.info("agent.environment_url %s: server kind %s, tools %s", agent.environment_url, served.kind, names)
+
+
 def main() -> None:
-    """`python -m agentrl.stages.prepare`: exit status 1 with the message on bad data."""
+    """`python -m agentrl.stages.prepare`: exit status 1 with the message on bad data or an unusable OpenEnv
+    server (agent.environment_url)."""
+    from ..envs.openenv_client import OpenEnvError
+
     params = load_params_or_exit()
     try:
+        check_environment_server(params)
         prepare(params)
-    except (BadRowsError, FileNotFoundError, ValueError) as error:
+    except (BadRowsError, FileNotFoundError, ValueError, OpenEnvError) as error:
         log.error("%s", error)
         raise SystemExit(1) from None
 
