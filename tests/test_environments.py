@@ -445,6 +445,60 @@ def test_trl_loop_episodes_whose_server_is_gone_are_counted_as_broken(monkeypatc
         ledger.check()
 
 
+class ClosesItsSession:
+    """An environment with the optional close(): counts the episodes it ended."""
+
+    closed = 0
+
+    def reset(self, **row):
+        return None
+
+    def check(self, expression: str) -> str:
+        """Check an expression.
+
+        Args:
+            expression: the expression.
+        """
+        return "ok"
+
+    def close(self) -> None:
+        ClosesItsSession.closed += 1
+
+
+def test_each_episode_is_closed_once_judged_and_close_is_never_a_tool(tiny, monkeypatch):
+    """Issue 55 item 3: the contract had no teardown, so a wrapper's sessions stayed open until garbage collection
+    (384 abnormal disconnects over two short runs). The optional close() is called once per episode after it is
+    judged (our loop), by close_all after training (TRL's loop, which pools its instances), and it is offered to
+    no policy: not by our loop, not by TRL (the class TRL gets hides a plain close)."""
+    import inspect
+
+    from agentrl.agent.loop import BrokenEpisodes
+    from agentrl.envs.registry import environment_tools
+    from agentrl.stages.grpo import ToolRollout
+
+    monkeypatch.setattr(ClosesItsSession, "closed", 0)
+    tok, model, _ = tiny
+    ts = make_toolset(
+        None, "inline", max_calls=2, environment="countdown", env_class=ClosesItsSession, eos_token=tok.eos_token
+    )
+    assert list(ts.tools) == ["check"] and "close" not in environment_tools(ClosesItsSession())
+    prompt = prompt_of("What is 2+2?")
+    rollout = ToolRollout(ts)
+    rollout.batch_rows = [{"prompt": prompt, "n": n} for n in range(4)]
+    rollout([prompt] * 4, _rollout_trainer(model, tok, 1.0, 4))
+    assert ClosesItsSession.closed == 4
+    ledger = BrokenEpisodes(max_share=0.0)
+    for_trl = ledger.track(ClosesItsSession)
+    functions = inspect.getmembers(for_trl, predicate=inspect.isfunction)
+    offered = [name for name, _ in functions if name not in ("reset", "get_reward") and not name.startswith("_")]
+    assert offered == ["check"], offered  # TRL 1.16 offers every public function but reset/get_reward
+    envs = [for_trl() for _ in range(3)]
+    for env in envs:
+        env.reset(n=1)
+    ledger.close_all()
+    assert ClosesItsSession.closed == 4 + 3
+
+
 def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_an_ambiguous_lookup(monkeypatch):
     """Rows that share a prompt (FrozenLake with a hidden map: every prompt is the same) are told apart only by the
     batch the trainer hands over (ToolRollout.batch_rows): each episode gets its own row, in order. Without the

@@ -379,6 +379,32 @@ def test_openenv_mcp_tool_client_plays_an_episode_against_our_server(tmp_path):
     assert tools[0].description and answers == ["11 low", "24 yes"]
 
 
+def test_a_remote_episode_closes_its_session_and_close_is_no_tool():
+    """Issue 55 item 3: RemoteEnvironment.close() ends the episode's session at once (the loop calls it once the
+    episode is judged); the next reset opens a new one. TRL would offer a plain public `close` to the policy as a
+    tool: here it is no function on the class (contract.not_a_tool), so neither TRL nor our loop lists it."""
+    import inspect
+
+    server = serve_in_thread("countdown")
+    try:
+        cls = remote_environment_class(server.url, "countdown", {}, 10)
+        env = cls()
+        env.reset(numbers=[3, 5, 3], target=24)
+        session = env._session
+        env.close()
+        assert env._session is None and session.client._ws is None or session.client._ws.closed
+        with pytest.raises(Exception, match="no episode"):
+            env._step("check", {"expression": "3+5+3"})
+        env.reset(numbers=[3, 5, 3], target=24)
+        assert env.check("(3+5)*3") == "24 yes"
+        env.close()
+    finally:
+        server.stop()
+    functions = inspect.getmembers(cls, predicate=inspect.isfunction)  # TRL 1.16: public, not reset/get_reward
+    trl_tools = [n for n, _ in functions if n not in ("reset", "get_reward") and not n.startswith("_")]
+    assert trl_tools == ["check"] and list(environment_tools(cls())) == ["check"]
+
+
 def test_the_server_answers_calls_out_of_order_bad_rows_and_huge_bodies_with_4xx():
     """Issue 55 item 4: POST /step before any reset and /reset with a bad row answered 500 with a traceback in the
     server's log; /reset and /step took 100 MB bodies (RSS 428 -> 1,618 MB). Now: 409, 422 naming why, 413."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,7 +32,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..envs.calculator import Calculator
-from ..envs.contract import TRL_RESERVED, EnvironmentLost
+from ..envs.contract import NOT_TOOLS, EnvironmentLost, not_a_tool
 from .tools import Episode, Toolset, split_annotated
 
 PRUNE_SHARE = 0.5
@@ -92,6 +93,7 @@ class BrokenEpisodes:
         self.episodes = self.broken = 0
         self.first: Optional[str] = None
         self._since_log = [0, 0]  # (episodes, broken) since the last pop_curves
+        self._instances: "weakref.WeakSet" = weakref.WeakSet()  # TRL's pooled instances, for close_all
 
     def track(self, factory):
         """`factory` (a class, a functools.partial of one, or TRL's {name: factory} dict) made to record here."""
@@ -106,6 +108,7 @@ class BrokenEpisodes:
         ledger = self
 
         def reset(env, **row):
+            ledger._instances.add(env)
             ledger.episodes += 1
             ledger._since_log[0] += 1
             env._agentrl_broken = False
@@ -135,9 +138,23 @@ class BrokenEpisodes:
         tools = {
             name: counted_tool(name, method)
             for name, method in inspect.getmembers(cls, predicate=inspect.isfunction)
-            if name not in TRL_RESERVED and not name.startswith("_")
+            if name not in NOT_TOOLS and not name.startswith("_")
         }
-        return type(cls.__name__, (cls,), {"reset": reset, **tools, "__module__": cls.__module__})
+        members = {"reset": reset, **tools, "__module__": cls.__module__}
+        if inspect.isfunction(inspect.getattr_static(cls, "close", None)):  # a plain close(): TRL would offer it
+            members["close"] = not_a_tool(inspect.getattr_static(cls, "close"))
+        return type(cls.__name__, (cls,), members)
+
+    def close_all(self) -> None:
+        """Close every instance TRL's loop used (it pools them across episodes and never ends one): their optional
+        close(), once training is over."""
+        for env in list(self._instances):
+            close = getattr(env, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - teardown after training: nothing scored depends on it
+                    pass
 
     def check(self) -> None:
         check_broken_episodes(self.broken, self.episodes, self.first, self.max_share, self.where)

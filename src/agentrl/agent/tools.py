@@ -219,13 +219,15 @@ class Episode:
         self.toolset = toolset
         self.observation: Optional[str] = None
         self.broken: Optional[str] = None
+        self._open = True  # until close()
         factory = toolset.factory_for(row)  # a mixture row without a member is a data error: raised, not an episode
         try:
             self.env = factory()
             obs = _run_with_timeout(self.env.reset, dict(row or {}), toolset.timeout_s)  # a hung reset is an error too
             self.observation = None if obs is None else str(obs)
         except Exception as error:  # noqa: BLE001 - an environment's failure is data, never a crash
-            self.env, self.broken = None, f"environment reset failed: {type(error).__name__}: {str(error)[:80]}"
+            # the reason whole (a server's refusal, e.g. "Server at capacity: 1/1 sessions active", says what to fix)
+            self.env, self.broken = None, f"environment reset failed: {type(error).__name__}: {str(error)[:300]}"
         self.tools = environment_tools(self.env) if self.env is not None else {}
         # the inline format's one tool: a mixture member's own (members may differ), else the toolset's
         self.default_tool = next(iter(self.tools), "") if toolset.members else toolset.default_tool
@@ -263,6 +265,17 @@ class Episode:
         if ts.format.name == "inline":  # the result must not close or open a call itself
             text = text.replace("<<", "< <").replace(">>", "> >")
         return text, not text.startswith("error")
+
+    def close(self) -> None:
+        """End the episode once it is judged: the environment's optional close() (a session, a process), once,
+        within the tool timeout. A failure there changes nothing already scored."""
+        env, self._open = (self.env if self._open else None), False
+        close = getattr(env, "close", None)
+        if callable(close):
+            try:
+                _run_with_timeout(close, {}, self.toolset.timeout_s)
+            except Exception:  # noqa: BLE001 - the episode is over and scored; its teardown cannot change that
+                pass
 
 
 class Toolset:

@@ -6,8 +6,10 @@ Protocol would only test that the names exist:
 
 - `Environment`: one episode of TRL 1.16's `GRPOTrainer(environment_factory=...)` and of our tool loop
   (`tools.Episode`). Its tools are not Protocol members (their names are the environment's own): every public
-  method other than `reset` / `get_reward` is one, and TRL builds its JSON schema from the type hints and the
-  Google docstring (`transformers.utils.get_json_schema`), so each must have both. `RewardingEnvironment` adds the
+  method other than `reset` / `get_reward` / `close` is one, and TRL builds its JSON schema from the type hints and
+  the Google docstring (`transformers.utils.get_json_schema`), so each must have both. An optional `close()` ends
+  the episode (a session, a process): the loop calls it once the episode is judged (decorate it with `not_a_tool`
+  for plain TRL, which would otherwise offer it as a tool). `RewardingEnvironment` adds the
   optional `get_reward`; TRL adds it as one more reward column (weight 1) when the class defines it.
 - `TaskModule`: a module under `agentrl.envs` that generates its own rows (`registry.TASKS`): the knobs under
   params `environments.<name>`, the seeded generator, the instance identity that keeps test instances out of
@@ -29,6 +31,23 @@ class EnvironmentLost(RuntimeError):
 
 
 TRL_RESERVED = ("reset", "get_reward")  # public methods that are not tools (TRL's environment_factory rule)
+NOT_TOOLS = (*TRL_RESERVED, "close")  # and the optional teardown: no policy ever gets these as tools
+
+
+class not_a_tool:  # noqa: N801 - used as a decorator, like staticmethod
+    """Marks an environment's method that is no tool, for the optional `close()`: TRL 1.16 offers the policy every
+    public *function* of the class but reset and get_reward, and through this descriptor the method is no function
+    on the class (inspect.isfunction is false), while `env.close()` is the bound method as usual. The project's own
+    loop and its TRL path leave `close` out by name too (NOT_TOOLS); a class given to plain TRL needs this."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else self.fn.__get__(obj, owner)
+
+
 MAKE_ROWS_PARAMETERS = ("n", "rng", "split", "env_knobs", "exclude")  # in this order, then **gen_knobs
 
 
@@ -183,7 +202,7 @@ def check_environment_class(cls: type) -> None:
     tools = [
         (name, fn)
         for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if name not in TRL_RESERVED and not name.startswith("_")
+        if name not in NOT_TOOLS and not name.startswith("_")
     ]
     if not tools:
         raise TypeError(f"{where}: no public tool method besides {', '.join(TRL_RESERVED)}")

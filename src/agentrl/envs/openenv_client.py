@@ -41,7 +41,7 @@ import threading
 import typing
 from typing import Any, Optional
 
-from .contract import EnvironmentLost
+from .contract import EnvironmentLost, not_a_tool
 
 MAX_ANNOTATION_CHARS = 200  # a served annotation is parsed: a bound keeps a hostile one from exhausting the parser
 JUDGE_TOOL = "_episode_solved"  # the server's action that answers "solved" by the environment's own rule
@@ -480,6 +480,13 @@ class RemoteEnvironment:
             return self._step(JUDGE_TOOL, {"text": text}).observation.get("solved")
         except OpenEnvError:
             return False  # a lost episode is unsolved, as a broken in-process environment is
+
+    @not_a_tool
+    def close(self) -> None:
+        """End the episode's session now (the loop calls it once the episode is judged; TRL offers it no policy)."""
+        if self._session is not None:
+            self._session.close()
+        self._session, self._lost = None, "no episode: the session was closed"
 
     def __del__(self):
         # at interpreter shutdown the client loop's thread may be gone: closing would wait out its deadline

@@ -210,6 +210,12 @@ class ServedEnvironment(Environment):
             )
         return tools
 
+    def close(self) -> None:
+        """The session ended (openenv-core calls this): the wrapped environment's optional close() too."""
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            close()
+
     def _reward(self) -> Optional[float]:
         return float(self.env.get_reward()) if self.has_reward else None
 

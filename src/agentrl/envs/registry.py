@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from . import countdown, gridworld, gymnasium_toytext, mixture, reasoning_gym_tasks
 from .calculator import Calculator, ToolError, calculator
+from .contract import NOT_TOOLS
 
 TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator}  # agent.tools names (tools.get_tool)
 
@@ -98,14 +99,14 @@ def _tool_names(cls: type) -> tuple[str, ...]:
     return tuple(
         name
         for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if name not in ("reset", "get_reward") and not name.startswith("_")
+        if name not in NOT_TOOLS and not name.startswith("_")
     )
 
 
 def environment_tools(env) -> dict[str, Callable[..., str]]:
     """An environment's tools exactly as TRL's GRPOTrainer(environment_factory=...) finds them: the public
-    functions of its class other than `reset` and `get_reward`, bound to the instance (the names are looked up
-    once per class: one episode per completion makes this a hot path).
+    functions of its class other than `reset` and `get_reward` (and `close`: contract.NOT_TOOLS), bound to the
+    instance (the names are looked up once per class: one episode per completion makes this a hot path).
 
     Args:
         env: an environment instance.

@@ -197,6 +197,9 @@ def _score_problem(
         prediction["tool_calls"] = _tool_calls(rolls[0])
         if judged[0] is not None:
             prediction["failed_tries"] = getattr(rolls[0].episode.env, "failed_tries", None)
+        for roll in rolls:  # judged and read: each episode's environment may end (its optional close())
+            if roll.episode is not None:
+                roll.episode.close()
     return prediction
 
 

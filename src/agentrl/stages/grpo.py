@@ -261,6 +261,9 @@ class ToolRollout:
             solved = [episode_solved(row, r.text, r.episode.env if r.episode else None) for row, r in zip(rows, rolls)]
             if any(s is not None for s in solved):
                 out["solved"] = solved
+        for roll in rolls:  # judged: each episode's environment may end (its optional close(): a session, ...)
+            if roll.episode is not None:
+                roll.episode.close()
         return {
             **out,
             "prompt_ids": [r.prompt_ids for r in rolls],
@@ -585,7 +588,11 @@ def train(params: Params) -> dict:
     if finish:
         finish(trainer)
     check_merged_rollouts(trainer, rollout)
-    _, run = training.train(trainer, resume)
+    try:
+        _, run = training.train(trainer, resume)
+    finally:
+        if ledger is not None:  # TRL's loop pools its environments and never ends an episode: closed here
+            ledger.close_all()
     metrics = {
         **_curve_metrics(trainer.state.log_history, rollout, run["runtime_s"], gen_batch),
         "beta": args.beta,
