@@ -456,6 +456,91 @@ def test_a_streamed_body_past_the_limit_is_refused_without_reaching_the_app():
     assert not reached and sent[0]["status"] == 413
 
 
+def test_partial_headers_and_idle_sessions_are_closed_and_a_pooled_session_reconnects(monkeypatch):
+    """Issue 55 item 4: 200 sockets sending a partial request header stayed open (no header timeout), and 1,030 idle
+    WebSockets held every session slot (no idle timeout). Now a connection without a whole header within
+    HEADER_TIMEOUT_S is closed, a session silent for IDLE_TIMEOUT_S ends (its slot freed), and a client whose pooled
+    session was closed so reconnects at its next reset (TRL reuses a session across training steps)."""
+    import urllib.request
+
+    from agentrl.envs import openenv_server
+
+    monkeypatch.setattr(openenv_server, "HEADER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(openenv_server, "IDLE_TIMEOUT_S", 1.0)
+    server = serve_in_thread("countdown")
+    host, port = server.url.split("//")[1].split(":")
+    try:
+        slow = [socket.create_connection((host, int(port)), timeout=30) for _ in range(20)]
+        for sock in slow:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+        assert all(sock.recv(100) == b"" for sock in slow), "a partial header was kept open"
+        assert urllib.request.urlopen(f"{server.url}/health", timeout=10).status == 200
+        env = remote_environment_class(server.url, "countdown", {}, 10)()
+        env.reset(numbers=[3, 5, 3], target=24)
+        first = env._session
+        time.sleep(2.5)  # the server ends the silent session
+        env.reset(numbers=[3, 5, 3], target=24)  # reconnects instead of failing the episode
+        assert env._session is not first and env.check("(3+5)*3") == "24 yes"
+        env.close()
+    finally:
+        server.stop()
+
+
+def _double_replying_server():
+    """A server that speaks our protocol but answers every step twice (a bug the issue's review planted): the second
+    reply of one call would be read as the answer to the next."""
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+
+    spec = {"name": "check", "doc": "Check.\n\nArgs:\n    expression: the expression.",
+            "parameters": [{"name": "expression", "annotation": "str"}], "returns": "str"}  # fmt: skip
+
+    async def ws(socket):  # a plain starlette route: the WebSocket is its argument
+        await socket.accept()
+        while True:
+            message = await socket.receive_json()
+            kind, data = message.get("type"), message.get("data") or {}
+            if kind == "state":
+                state = {"environment": "countdown", "knobs": {}, "has_reward": False, "tools": [spec]}
+                await socket.send_json({"type": "state", "data": state})
+            elif kind == "reset":
+                await socket.send_json({"type": "observation", "data": {"observation": {"text": None}}})
+            elif kind == "step":
+                request = (data.get("metadata") or {}).get("agentrl_request")
+                for text in (f"answer to {data['arguments']['expression']}", "a reply too many"):
+                    observation = {"text": text, "request": request}
+                    await socket.send_json({"type": "observation", "data": {"observation": observation}})
+            else:
+                await socket.close()
+                return
+
+    return Starlette(routes=[WebSocketRoute("/ws", ws)])
+
+
+def test_a_reply_that_answers_another_request_is_never_read_as_this_ones():
+    """Issue 55 item 5: a server that sends two replies per step shifted every later answer by one (no matching of
+    replies to requests). Each call now carries its number, our server echoes it, and a reply for another call
+    ends the episode's session as out of step (a broken episode, counted), never a shifted answer."""
+    from agentrl.envs.contract import EnvironmentLost
+    from agentrl.envs.openenv_server import _listening_socket, _uvicorn_server
+
+    sock = _listening_socket("127.0.0.1", 0)
+    server = _uvicorn_server(_double_replying_server(), "127.0.0.1")
+    server.install_signal_handlers = lambda: None
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        env = remote_environment_class(url, None, None, 10)()
+        env.reset()
+        assert env.check("1+1") == "answer to 1+1"
+        with pytest.raises(EnvironmentLost, match="the reply answers request 1, not request 2"):
+            env.check("2+2")  # the stale second reply to 1+1 arrives first
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_a_failed_reset_ends_the_previous_episode():
     """Issue 55 item 4: a reset that failed (seed "x") left the previous episode live; the next call continued it."""
     from fastapi import HTTPException
@@ -517,7 +602,8 @@ def test_a_served_reward_that_is_not_a_finite_number_is_refused(reward):
 
     env = RemoteEnvironment()
     env.url, env._lost = "http://h:1", None
-    env._session = SimpleNamespace(client=SimpleNamespace(step=None), call=lambda *a: SimpleNamespace(reward=reward))
+    answer = SimpleNamespace(reward=reward, observation={"text": "ok", "request": 1})  # the reply to call 1
+    env._session = SimpleNamespace(client=SimpleNamespace(step=None), call=lambda *a: answer, close=lambda: None)
     with pytest.raises(OpenEnvError, match="openenv server http://h:1: tool 'act': reward .* not a finite number"):
         env._step("act", {})
 

@@ -47,6 +47,7 @@ MAX_ANNOTATION_CHARS = 200  # a served annotation is parsed: a bound keeps a hos
 JUDGE_TOOL = "_episode_solved"  # the server's action that answers "solved" by the environment's own rule
 FOREIGN = "openenv"  # agent.environment for a server that is not ours: whatever it serves (registry.FOREIGN)
 ACT_TOOL = "act"  # a typed-action server's one tool: the step action's fields as its arguments
+REQUEST_KEY = "agentrl_request"  # a call's number in its action's metadata; our server echoes it as `request`
 MAX_SCHEMA_BYTES = 1 << 20  # GET /schema: a bigger answer is refused
 # JSON schema types as the annotations a served tool may use (_TYPE_NAMES); anything else is left as Any
 _JSON_TYPES = {
@@ -422,6 +423,7 @@ class RemoteEnvironment:
     def __init__(self):
         self._session: Optional[Session] = None
         self._reward: Optional[float] = None
+        self._requests = 0  # calls sent on this instance's sessions (echoed by our server: _step)
         self._lost: Optional[str] = "no episode: reset was not called"
 
     def reset(self, **row) -> Optional[str]:
@@ -429,10 +431,18 @@ class RemoteEnvironment:
             json.dumps(row)
         except (TypeError, ValueError) as e:
             raise OpenEnvError(f"openenv server {self.url}: reset: the row is not JSON ({e})") from None
+        reused = self._session is not None
         if self._session is None:
             self._session = Session(self.url, self.timeout_s)
         try:
-            result = self._session.call("reset", self._session.client.reset, **row)
+            try:
+                result = self._session.call("reset", self._session.client.reset, **row)
+            except OpenEnvError as e:
+                if not reused or isinstance(e, ServerRefused):
+                    raise
+                # a pooled session the server closed while idle (openenv_server.IDLE_TIMEOUT_S): once more, anew
+                self._session = Session(self.url, self.timeout_s)
+                result = self._session.call("reset", self._session.client.reset, **row)
         except OpenEnvError as e:  # a refusal (its reason in the message) leaves the session open: closed here
             self._session.close()
             self._session, self._lost = None, str(e)
@@ -444,17 +454,25 @@ class RemoteEnvironment:
         """The server's StepResult for one action; OpenEnvError (session dropped) when the episode is lost."""
         if self._lost is not None:
             raise OpenEnvError(self._lost)
+        self._requests += 1
+        request = {"metadata": {REQUEST_KEY: self._requests}}  # ours echoes it: a reply is matched to its request
+        # a typed-action server's step takes the action's fields; ours and MCP ones OpenEnv's MCP call shape
+        action = (
+            arguments if self.kind == "actions" else {"type": "call_tool", "tool_name": tool, "arguments": arguments}
+        )
         try:
-            # a typed-action server's step takes the action's fields; ours and MCP ones OpenEnv's MCP call shape
-            action = (
-                arguments
-                if self.kind == "actions"
-                else {"type": "call_tool", "tool_name": tool, "arguments": arguments}
-            )
-            result = self._session.call(f"tool '{tool}'", self._session.client.step, action)
+            result = self._session.call(f"tool '{tool}'", self._session.client.step, {**action, **request})
+            answered = result.observation.get("request") if isinstance(result.observation, dict) else None
+            if self.kind == "agentrl" and answered != self._requests:  # e.g. a server that sent two replies to one
+                raise OpenEnvError(
+                    f"openenv server {self.url}: tool '{tool}': the reply answers request {answered}, not request "
+                    f"{self._requests} (a reply too many or too few): the session is out of step"
+                )
         except ServerRefused:
             raise  # the call was refused (e.g. an action its schema rejects): the episode goes on
         except OpenEnvError as e:
+            if self._session is not None:
+                self._session.close()
             self._session, self._lost = None, f"{e} (the episode's session is closed)"
             raise
         self._reward = finite_reward(result.reward, f"openenv server {self.url}: tool '{tool}'")

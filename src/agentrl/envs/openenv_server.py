@@ -44,12 +44,16 @@ from openenv.core.env_server.mcp_types import (
 )
 from openenv.core.env_server.types import Observation, State
 
-from .openenv_client import JUDGE_TOOL, MAX_MESSAGE_BYTES
+from .openenv_client import JUDGE_TOOL, MAX_MESSAGE_BYTES, REQUEST_KEY
 
 MAX_TOOL_NAME_CHARS = 64
 MAX_ACTION_CHARS = 8192  # a step's arguments as JSON: bigger is an error observation (no tool takes more)
 MAX_RESULT_CHARS = 65536  # what a tool answers over the wire (our loop then cuts it to tools.MAX_RESULT_CHARS)
 MAX_SESSIONS = 1024  # concurrent episodes (TRL pools one instance per rollout of a batch; ours one per completion)
+HEADER_TIMEOUT_S = 10.0  # a connection must send a whole request header within this of connecting or its last answer
+# a session with no message for this long is closed (its slot freed): longer than any gap between an episode's calls
+# (a policy generating) and between TRL's reuses of a pooled session (a training step); the client then reconnects
+IDLE_TIMEOUT_S = 900.0
 
 
 class ToolObservation(Observation):
@@ -59,10 +63,12 @@ class ToolObservation(Observation):
 
 
 class ToolCallObservation(CallToolObservation):
-    """What a tool call answered: `text` (also MCP's `result`), and for the judge whether the episode was solved."""
+    """What a tool call answered: `text` (also MCP's `result`), for the judge whether the episode was solved, and
+    `request`: the call's number its action carried (openenv_client matches each reply to its request)."""
 
     text: Optional[str] = None
     solved: Optional[bool] = None
+    request: Optional[int] = None
 
 
 def environment_knobs(name: str, env_params: Optional[dict]) -> dict:
@@ -179,10 +185,14 @@ class ServedEnvironment(Environment):
             raise HTTPException(409, "no episode: reset first (or the last reset failed)")
         self._state.step_count += 1
         name = action.tool_name
+        request = action.metadata.get(REQUEST_KEY)
+        request = request if isinstance(request, int) and not isinstance(request, bool) else None
         if name == JUDGE_TOOL:
             text = action.arguments.get("text")
             solved = episode_solved(self.row or {}, text if isinstance(text, str) else "", self.env)
-            return ToolCallObservation(tool_name=name, solved=solved, reward=self._reward(), done=self._done())
+            return ToolCallObservation(
+                tool_name=name, solved=solved, request=request, reward=self._reward(), done=self._done()
+            )
         size = len(json.dumps(action.arguments, default=str))
         fn = self.tools.get(name)
         if size > MAX_ACTION_CHARS:
@@ -193,7 +203,12 @@ class ServedEnvironment(Environment):
             text, _ = call_tool(fn, **action.arguments)  # a raise becomes "error: ...", as in our loop
         text = text[:MAX_RESULT_CHARS]
         return ToolCallObservation(
-            tool_name=name[:MAX_TOOL_NAME_CHARS], text=text, result=text, reward=self._reward(), done=self._done()
+            tool_name=name[:MAX_TOOL_NAME_CHARS],
+            text=text,
+            result=text,
+            request=request,
+            reward=self._reward(),
+            done=self._done(),
         )
 
     def _mcp_tools(self) -> list[Tool]:
@@ -296,6 +311,62 @@ class BodyTooLarge(Exception):
     """A streamed request body passed the limit (_limit_bodies)."""
 
 
+def _close_idle_sessions(app, idle_s: Optional[float] = None):
+    """The app, except that a WebSocket session with no message for `idle_s` ends as if its client had left (1,030
+    idle sockets held every slot: the 1,025th real client got CAPACITY_REACHED)."""
+    import asyncio
+
+    idle_s = IDLE_TIMEOUT_S if idle_s is None else idle_s
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "websocket":
+            return await app(scope, receive, send)
+
+        async def receive_or_idle():
+            try:
+                return await asyncio.wait_for(receive(), idle_s)
+            except asyncio.TimeoutError:
+                return {"type": "websocket.disconnect", "code": 1001}  # "going away": openenv ends the session
+
+        return await app(scope, receive_or_idle, send)
+
+    return wrapped
+
+
+def _header_deadline_protocol(seconds: Optional[float] = None):
+    """uvicorn's h11 protocol with a deadline on request headers: a connection that has not sent a whole request
+    header within `seconds` of connecting or of its last answer is closed (uvicorn waits forever: 200 sockets
+    sending a partial header stayed open, on this server and the model server alike)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    seconds = HEADER_TIMEOUT_S if seconds is None else seconds
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline = self.loop.call_later(seconds, self._header_late)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._deadline.cancel()
+            self._deadline = self.loop.call_later(seconds, self._header_late)
+
+        def handle_websocket_upgrade(self, event) -> None:
+            self._deadline.cancel()  # the socket is the WebSocket protocol's from here (idle sessions: above)
+            super().handle_websocket_upgrade(event)
+
+        def connection_lost(self, exc) -> None:
+            self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _header_late(self) -> None:
+            waiting = self.cycle is None or self.cycle.response_complete  # no request under way: only a header
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def _quiet_disconnects(app):
     """The app, except that a WebSocket the client closed first ends quietly: openenv-core's endpoint then closes
     it again and starlette raises WebSocketDisconnect, which uvicorn would log as an ASGI error (nothing is lost:
@@ -316,11 +387,12 @@ def _uvicorn_server(app, host: str):
     import uvicorn
 
     config = uvicorn.Config(
-        _quiet_disconnects(_limit_bodies(app)),
+        _quiet_disconnects(_close_idle_sessions(_limit_bodies(app))),
         host=host,
         log_level="warning",
         access_log=False,
         ws_max_size=MAX_MESSAGE_BYTES,
+        http=_header_deadline_protocol(),
     )
     return uvicorn.Server(config)
 
