@@ -113,7 +113,8 @@ test-all: setup ## every test
 	python -m pytest $(PYTEST_ARGS)
 
 serve: setup-gguf ## serve MODEL (models/merged, a .gguf) with the OpenAI-compatible API
-	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serving.app:app --host $(HOST) --port $(PORT)
+	AGENTRL_MODEL_PATH=$(MODEL) uvicorn agentrl.serving.app:app --host $(HOST) --port $(PORT) \
+	  --http agentrl.http_limits:HeaderDeadline
 
 # MCP server over stdio (agentrl.api.mcp_server) for agents; README "Driving the pipeline from an agent (MCP)".
 # stdout is the protocol, so set-up output goes to stderr; clients run `make -s -C <repo> mcp`.

@@ -460,12 +460,14 @@ def test_partial_headers_and_idle_sessions_are_closed_and_a_pooled_session_recon
     """Issue 55 item 4: 200 sockets sending a partial request header stayed open (no header timeout), and 1,030 idle
     WebSockets held every session slot (no idle timeout). Now a connection without a whole header within
     HEADER_TIMEOUT_S is closed, a session silent for IDLE_TIMEOUT_S ends (its slot freed), and a client whose pooled
-    session was closed so reconnects at its next reset (TRL reuses a session across training steps)."""
+    session was closed so reconnects at its next reset (TRL reuses a session across training steps). The model server
+    has the same header deadline (tests/test_serve.py)."""
     import urllib.request
 
+    from agentrl import http_limits
     from agentrl.envs import openenv_server
 
-    monkeypatch.setattr(openenv_server, "HEADER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 1.0)
     monkeypatch.setattr(openenv_server, "IDLE_TIMEOUT_S", 1.0)
     server = serve_in_thread("countdown")
     host, port = server.url.split("//")[1].split(":")

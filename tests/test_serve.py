@@ -527,6 +527,22 @@ def _tokens_after_queue_drains(base: str) -> dict:
     return httpx.get(base + "/health", timeout=10).json()
 
 
+def test_a_partial_request_header_is_not_held_open(long_server):
+    """Issue 55 (the model server too): 200 sockets sending a partial request header stayed open. The server runs
+    with agentrl.http_limits.HeaderDeadline (as `make serve`): such a connection is closed once HEADER_TIMEOUT_S (10 s)
+    has passed, while a whole request is answered as usual."""
+    import socket
+
+    from agentrl.http_limits import HEADER_TIMEOUT_S
+
+    host, port = long_server.split("//")[1].split(":")
+    slow = [socket.create_connection((host, int(port)), timeout=HEADER_TIMEOUT_S + 30) for _ in range(20)]
+    for sock in slow:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+    assert httpx.get(long_server + "/health", timeout=10).status_code == 200
+    assert all(sock.recv(100) == b"" for sock in slow), "a partial header was kept open"
+
+
 def test_clients_that_disconnect_stop_their_generation(long_server):
     """Issue 26 item 7: 24 SSE clients that leave after the first chunk, and 8 plain clients that give up
     after an eighth of a full completion's time, must not keep the model generating their completions. The

@@ -44,13 +44,13 @@ from openenv.core.env_server.mcp_types import (
 )
 from openenv.core.env_server.types import Observation, State
 
+from ..http_limits import HeaderDeadline
 from .openenv_client import JUDGE_TOOL, MAX_MESSAGE_BYTES, REQUEST_KEY
 
 MAX_TOOL_NAME_CHARS = 64
 MAX_ACTION_CHARS = 8192  # a step's arguments as JSON: bigger is an error observation (no tool takes more)
 MAX_RESULT_CHARS = 65536  # what a tool answers over the wire (our loop then cuts it to tools.MAX_RESULT_CHARS)
 MAX_SESSIONS = 1024  # concurrent episodes (TRL pools one instance per rollout of a batch; ours one per completion)
-HEADER_TIMEOUT_S = 10.0  # a connection must send a whole request header within this of connecting or its last answer
 # a session with no message for this long is closed (its slot freed): longer than any gap between an episode's calls
 # (a policy generating) and between TRL's reuses of a pooled session (a training step); the client then reconnects
 IDLE_TIMEOUT_S = 900.0
@@ -333,40 +333,6 @@ def _close_idle_sessions(app, idle_s: Optional[float] = None):
     return wrapped
 
 
-def _header_deadline_protocol(seconds: Optional[float] = None):
-    """uvicorn's h11 protocol with a deadline on request headers: a connection that has not sent a whole request
-    header within `seconds` of connecting or of its last answer is closed (uvicorn waits forever: 200 sockets
-    sending a partial header stayed open, on this server and the model server alike)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    seconds = HEADER_TIMEOUT_S if seconds is None else seconds
-
-    class HeaderDeadline(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._deadline = self.loop.call_later(seconds, self._header_late)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._deadline.cancel()
-            self._deadline = self.loop.call_later(seconds, self._header_late)
-
-        def handle_websocket_upgrade(self, event) -> None:
-            self._deadline.cancel()  # the socket is the WebSocket protocol's from here (idle sessions: above)
-            super().handle_websocket_upgrade(event)
-
-        def connection_lost(self, exc) -> None:
-            self._deadline.cancel()
-            super().connection_lost(exc)
-
-        def _header_late(self) -> None:
-            waiting = self.cycle is None or self.cycle.response_complete  # no request under way: only a header
-            if waiting and not self.transport.is_closing():
-                self.transport.close()
-
-    return HeaderDeadline
-
-
 def _quiet_disconnects(app):
     """The app, except that a WebSocket the client closed first ends quietly: openenv-core's endpoint then closes
     it again and starlette raises WebSocketDisconnect, which uvicorn would log as an ASGI error (nothing is lost:
@@ -392,7 +358,7 @@ def _uvicorn_server(app, host: str):
         log_level="warning",
         access_log=False,
         ws_max_size=MAX_MESSAGE_BYTES,
-        http=_header_deadline_protocol(),
+        http=HeaderDeadline,  # a request header must arrive whole within http_limits.HEADER_TIMEOUT_S
     )
     return uvicorn.Server(config)
 

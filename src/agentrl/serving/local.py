@@ -55,6 +55,7 @@ def start_server(
     if params is not None:
         env["AGENTRL_PARAMS"] = str(params)
     cmd = [sys.executable, "-m", "uvicorn", "agentrl.serving.app:app", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--http", "agentrl.http_limits:HeaderDeadline"]  # as `make serve`: a request header arrives whole in 10 s
     proc = subprocess.Popen(
         cmd + ["--log-level", "warning"],
         env=env,
