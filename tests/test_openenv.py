@@ -25,7 +25,7 @@ from agentrl.agent.tools import _ANNOTATION
 from agentrl.envs.openenv_client import OpenEnvError, remote_environment_class
 from agentrl.envs.openenv_server import JUDGE_TOOL, serve_in_thread
 from agentrl.envs.registry import ENVIRONMENTS, TASKS, environment_tools, episode_solved
-from conftest import mini_params, tiny_lm
+from conftest import make_toolset, mini_params, tiny_lm
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -882,6 +882,32 @@ def test_a_server_offering_neither_is_refused_before_any_stage_in_one_line(forei
         assert not (workdir / "data/prepared").exists()
     ok = prepare_with("openenv", foreign["mcp"])
     assert ok.returncode == 0 and "server kind mcp, tools echo" in ok.stderr, ok.stderr[-2000:]
+
+
+def test_a_servers_refusal_reason_reaches_the_episodes_error_text():
+    """Issue 55 item 3: with a server allowing one session (create_app's default), every batched episode failed with
+    `environment reset failed: ConnectionClosedOK ...`: the server's "at capacity" reason was lost. It now reaches the
+    broken episode's text whole, and the refused session is closed."""
+    from openenv.core.env_server.http_server import create_app
+
+    from agentrl.agent.tools import Call
+    from openenv_foreign import GridAction, GridEnvironment, GridObservation, serve
+
+    server = serve(create_app(GridEnvironment, GridAction, GridObservation, env_name="grid_world"))  # one session
+    try:
+        cls = remote_environment_class(server.url, "openenv", {}, 10)
+        ts = make_toolset(None, "chat", max_calls=2, environment="openenv", env_class=cls)
+        first, second = ts.episode({"seed": 1}), ts.episode({"seed": 2})
+        assert first.broken is None and second.env is None
+        assert "reset failed: ServerRefused" in second.broken and "Server at capacity: 1/1" in second.broken, (
+            second.broken
+        )
+        first.close()
+        third = ts.episode({"seed": 3})  # the slot is free again once the first episode ended
+        assert third.broken is None and third.run(Call("act", {"action": "DOWN"}))[0].startswith('{"message": "moved"')
+        third.close()
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow

@@ -327,7 +327,9 @@ class Toolset:
         self.max_expression_chars = max_expression_chars
         self.timeout_s = timeout_s
         self.max_result_chars = MAX_RESULT_CHARS
-        self._stateless = None if self.members else Episode(self)  # for callers without rows (the server, `run`)
+        # for callers without rows (the server, `run`): made at its first use, so that a toolset never holds an
+        # environment session (an OpenEnv server's slot) it does not use
+        self._stateless: Optional[Episode] = None
 
     def factory_for(self, row: Optional[dict]):
         """The factory of the environment a row's episode runs: a mixture member's (the row's `environment`).
@@ -365,8 +367,10 @@ class Toolset:
         Returns:
             (result text, ok).
         """
-        if self._stateless is None:
+        if self.members:
             raise ValueError("agent.environment 'mixture': an episode needs its row's 'environment' (use episode(row))")
+        if self._stateless is None:
+            self._stateless = Episode(self)
         return self._stateless.run(call)
 
 

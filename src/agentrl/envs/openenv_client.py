@@ -162,7 +162,11 @@ class Session:
 
         async def connected():
             await self.client.connect()
-            return await coro_fn(*args, **kwargs)
+            try:
+                return await coro_fn(*args, **kwargs)
+            except Exception:
+                await self._raise_parting_error()  # the server's reason, when it sent one before closing
+                raise
 
         try:  # connect + one message, each with its own timeout inside; this deadline covers both
             return _run(connected(), 2 * self.timeout_s + 1)
@@ -176,6 +180,20 @@ class Session:
         except Exception as e:  # noqa: BLE001 - every transport failure becomes one error that names the server
             self.close()
             raise OpenEnvError(f"openenv server {self.url}: {what}: {_why(e)}") from e
+
+    async def _raise_parting_error(self) -> None:
+        """A server that refuses a session (no free slot) sends its reason and closes at once, so sending the first
+        message can fail before that reason is read: read it from what the socket received, as the error it is."""
+        ws = self.client._ws
+        if ws is None:
+            return
+        try:
+            message = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+        except Exception:  # noqa: BLE001 - nothing (readable) was left: the failure stands as it is
+            return
+        if isinstance(message, dict) and message.get("type") == "error":
+            data = message.get("data") or {}
+            raise RuntimeError(f"Server error: {data.get('message', 'unknown error')} (code: {data.get('code')})")
 
     def close(self, wait: bool = True) -> None:
         """Ends the session: OpenEnv's `close` message, then the server closes the socket. (GenericEnvClient's
