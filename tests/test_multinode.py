@@ -165,7 +165,7 @@ def dry_run(*make_vars: str) -> list[str]:
 def test_rank_0_applies_the_recipe_and_prepares_before_it_launches():
     lines = dry_run(f"RECIPE={RECIPE} site.yaml", "STAGE=sft grpo", "MACHINE_RANK=0")
     assert lines[0] == f"python scripts/recipe.py apply {RECIPE} site.yaml", lines
-    assert lines[1] == "dvc repro prepare base", lines
+    assert lines[1] == "python scripts/workspace_run.py dvc repro prepare base", lines  # refused when busy
     assert lines[2].startswith("for stage in sft grpo; do") and "--machine_rank 0" in lines[2], lines
     assert "-m agentrl.stages.$stage || exit 1" in lines[2], lines
 
