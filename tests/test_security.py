@@ -297,7 +297,7 @@ def test_an_environment_too_large_to_generate_is_refused_before_the_run(repo, fa
     huge_terms = {**RG_TERMS, "config": {"min_terms": 999_999_999, "max_terms": 999_999_999}}
     ov = {"agent.environment": "reasoning_gym", "agent.tools": [], "environments.reasoning_gym": huge_terms}
     err = refused(run(repo, ov), "too_costly", "environments.reasoning_gym")
-    assert "over 768 MiB of memory" in err["message"] or "still running after" in err["message"], err
+    assert any(why in err["message"] for why in ("over 768 MiB of memory", "out of memory", "still running after")), err
     big_map = ["S" + "F" * 249] + ["F" * 250] * 248 + ["F" * 249 + "G"]
     knobs = {"num_train": 6, "num_test": 6, "env_id": "FrozenLake-v1", "max_steps": 12}
     ov = {
@@ -306,7 +306,7 @@ def test_an_environment_too_large_to_generate_is_refused_before_the_run(repo, fa
         "environments.gymnasium": {**knobs, "env_kwargs": {"desc": big_map, "is_slippery": False}},
     }
     err = refused(run(repo, ov, name="probe2"), "too_costly", "environments.gymnasium")
-    assert "still running after 12 s" in err["message"] or "MiB of memory" in err["message"], err
+    assert any(why in err["message"] for why in ("still running after 12 s", "MiB of memory", "out of memory")), err
     assert fake.calls == [] and fake.probes == 2 and snapshot(repo) == before
 
 

@@ -23,6 +23,7 @@ import json
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -62,11 +63,12 @@ def _measure(tree: dict) -> dict:
 def _run_child(tree: dict) -> tuple[Optional[dict], str, float]:
     """(the child's answer or None, why it has none, its peak RSS in bytes), killing it at the time or memory cap;
     why starts with "failed" when the generator raised (a bad knob), else says which cap stopped it."""
+    errors = tempfile.TemporaryFile()  # a file, not a pipe: a child that logs a lot must not block on a full pipe
     child = subprocess.Popen(
         [sys.executable, "-m", "agentrl.api.probe"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=errors,
     )
     child.stdin.write(pickle.dumps(tree))
     child.stdin.close()
@@ -83,9 +85,14 @@ def _run_child(tree: dict) -> tuple[Optional[dict], str, float]:
             child.wait()
             return None, why, peak
         time.sleep(POLL_S)
-    out, err = child.stdout.read().decode(), child.stderr.read().decode(errors="replace")
+    out = child.stdout.read().decode()  # one short JSON line
+    errors.seek(0)
+    err = errors.read().decode(errors="replace")
+    errors.close()
     if child.returncode:
         tail = err.strip().splitlines()[-1:] or [f"exit {child.returncode}"]
+        if child.returncode < 0 or "MemoryError" in tail[0]:  # killed (the OOM killer) or out of memory: its cost
+            return None, f"out of memory ({tail[0][:100]}) at {peak >> 20} MiB", peak
         return None, f"failed: {tail[0][:300]}", peak
     return json.loads(out), "", peak
 
