@@ -360,21 +360,25 @@ def kill_and_resume_until_done(stage: str, cwd: Path, max_steps: int, save_steps
     assert final_weights(stage, cwd) == reference, f"resumed weights differ from the uninterrupted run's; {why}"
 
 
-@pytest.fixture
-def prepared(workdir):
-    """The mini pipeline's data and base model in workdir, W&B and trackers off."""
+def prepare_miniature(workdir: Path, sft_steps: int, grpo_steps: int, save_steps: int) -> Path:
+    """The mini pipeline's data and base model in workdir, W&B and trackers off, with the stages' step counts."""
     from agentrl.config import load_params
     from agentrl.stages import base, prepare
 
     p = mini_params()
     p["tracking"]["report_to"] = []
-    p["sft"]["trainer"].update(max_steps=6, save_steps=1)
-    p["grpo"]["trainer"].update(max_steps=5, save_steps=1)
+    p["sft"]["trainer"].update(max_steps=sft_steps, save_steps=save_steps)
+    p["grpo"]["trainer"].update(max_steps=grpo_steps, save_steps=save_steps)
     write_params(workdir / "params.yaml", p)
     params = load_params()
     prepare.prepare(params)
     base.build_tiny(params)
     return workdir
+
+
+@pytest.fixture
+def prepared(workdir):
+    return prepare_miniature(workdir, sft_steps=6, grpo_steps=5, save_steps=1)
 
 
 @pytest.mark.slow
@@ -485,18 +489,7 @@ def kill_at_random_moments(stage: str, cwd: Path, moments: int, seed: int) -> li
 def longer(workdir):
     """As `prepared`, with more steps, so that training, not the imports, fills most of a stage's wall time and the
     random kills land between checkpoints too (save_steps 5: one save in five steps)."""
-    from agentrl.config import load_params
-    from agentrl.stages import base, prepare
-
-    p = mini_params()
-    p["tracking"]["report_to"] = []
-    p["sft"]["trainer"].update(max_steps=60, save_steps=5)
-    p["grpo"]["trainer"].update(max_steps=30, save_steps=5)
-    write_params(workdir / "params.yaml", p)
-    params = load_params()
-    prepare.prepare(params)
-    base.build_tiny(params)
-    return workdir
+    return prepare_miniature(workdir, sft_steps=60, grpo_steps=30, save_steps=5)
 
 
 @pytest.mark.slow

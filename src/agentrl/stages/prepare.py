@@ -386,16 +386,14 @@ def check_environment_server(params: Params) -> None:
     (envs/openenv_client.py: ours, MCP tools or a typed step action); OpenEnvError in one line naming the URL and
     what the server lacks, or which agent.environment it needs."""
     from ..envs.openenv_client import remote_environment_class
+    from ..envs.registry import environment_tools
 
     agent = params.agent
     if agent.environment_url in (None, "serve"):
         return
-    task = TASKS.get(agent.environment)
-    knobs = (params.environments.get(agent.environment) or {}) if task else {}
-    runtime = {k: v for k, v in knobs.items() if k in task.ENV_DEFAULTS} if task else {}
+    runtime = environment_knobs(params)[3] if agent.environment in TASKS else {}  # the knobs the server must run
     served = remote_environment_class(agent.environment_url, agent.environment, runtime, agent.tool_timeout_s)
-    tools = [name for name in vars(served) if not name.startswith("_") and callable(vars(served)[name])]
-    names = ", ".join(t for t in tools if t != "get_reward")
+    names = ", ".join(environment_tools(served()))  # an instance opens no session until its reset
     log.info("agent.environment_url %s: server kind %s, tools %s", agent.environment_url, served.kind, names)
 
 
