@@ -339,7 +339,9 @@ def test_tool_rollout_renders_the_chat_prompt_with_its_tools(tiny):
         ts = make_toolset(None, "chat", max_calls=2, environment="countdown", eos_token=tok.eos_token)
         row = env_rows("countdown", 1, seed=2)[0]
         prompt = prompt_of(row["question"])
-        out = ToolRollout(ts, [{**row, "prompt": prompt}])([prompt], _rollout_trainer(model, tok, 1.0, 4))
+        rollout = ToolRollout(ts)
+        rollout.batch_rows = [{**row, "prompt": prompt}]
+        out = rollout([prompt], _rollout_trainer(model, tok, 1.0, 4))
         want = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **ts.chat_template_kwargs())
         assert "check" in want and out["prompt_ids"][0] == tok(want, add_special_tokens=False)["input_ids"]
     finally:
@@ -499,10 +501,10 @@ def test_each_episode_is_closed_once_judged_and_close_is_never_a_tool(tiny, monk
     assert ClosesItsSession.closed == 4 + 3
 
 
-def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_an_ambiguous_lookup(monkeypatch):
+def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_to_run_without_it(monkeypatch):
     """Rows that share a prompt (FrozenLake with a hidden map: every prompt is the same) are told apart only by the
-    batch the trainer hands over (ToolRollout.batch_rows): each episode gets its own row, in order. Without the
-    batch, the lookup by prompt text would reset every such episode with one row: refused, naming why."""
+    batch the stage's trainer hands over (ToolRollout.batch_rows): each episode gets its own row, in order. Episodes
+    without their rows are refused, naming why; rows of other prompts too."""
     import random
 
     from agentrl.agent import loop
@@ -519,7 +521,7 @@ def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_an_ambi
         return []
 
     monkeypatch.setattr(loop, "generate_with_tools", fake_generate)
-    rollout = ToolRollout(None, rows)
+    rollout = ToolRollout(None)
     trainer = SimpleNamespace(
         model_wrapped=None, accelerator=None, processing_class=None, max_completion_length=4, temperature=1.0,
         top_p=1.0, top_k=0, min_p=None, repetition_penalty=None,
@@ -529,8 +531,8 @@ def test_tool_rollout_resets_each_episode_with_its_batch_row_and_refuses_an_ambi
     rollout.batch_rows = rows[::-1]
     rollout([r["prompt"] for r in rows[::-1]], trainer)
     assert [r["seed"] for r in seen[-1]] == [r["seed"] for r in rows[::-1]] and rollout.batch_rows is None
-    with pytest.raises(ValueError, match="shared by different rows"):
-        rollout([rows[0]["prompt"]], trainer)
+    with pytest.raises(RuntimeError, match="only the stage's trainer hands over"):
+        ToolRollout(object())([rows[0]["prompt"]], trainer)
     rollout.batch_rows = rows[:1]
     with pytest.raises(RuntimeError, match="not the prompts"):
         rollout([{"role": "user", "content": "another"}], trainer)
@@ -600,10 +602,11 @@ def test_merged_rollouts_sample_what_the_adapter_samples(tiny):
 
     def sample(rollout, m):
         torch.manual_seed(7)
+        rollout.batch_rows = rows
         return rollout(prompts, _rollout_trainer(m, tok, 1.0, 24))
 
-    adapter, bare = sample(ToolRollout(ts, rows), peft), sample(ToolRollout(ts, rows), model)
-    merged = ToolRollout(ts, rows, merged=True)
+    adapter, bare = sample(ToolRollout(ts), peft), sample(ToolRollout(ts), model)
+    merged = ToolRollout(ts, merged=True)
     out = sample(merged, peft)
     assert merged.plain is not None and not hasattr(merged.plain, "peft_config")
     assert out["completion_ids"] == adapter["completion_ids"] != bare["completion_ids"]
@@ -621,11 +624,11 @@ def test_merged_policy_refuses_what_its_refresh_would_leave_stale(tiny, extra, s
 
     from peft import LoraConfig, get_peft_model
 
-    from agentrl.stages.grpo import BatchConfigError, merged_policy
+    from agentrl.stages.grpo import GRPOSettingsError, merged_policy
 
     _, model, _ = tiny
     peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **extra))
-    with pytest.raises(BatchConfigError, match=f"merged_rollouts.*{stale}.*merged_rollouts: false"):
+    with pytest.raises(GRPOSettingsError, match=f"merged_rollouts.*{stale}.*merged_rollouts: false"):
         merged_policy(peft)
 
 
@@ -638,7 +641,7 @@ def test_merged_rollouts_are_refused_with_sharded_weights(fsdp, deepspeed, stage
     it before the first step; DDP and ZeRO-2 (whole weights on every process) run, and so does merged_rollouts off."""
     from types import SimpleNamespace
 
-    from agentrl.stages.grpo import BatchConfigError, ToolRollout, check_merged_rollouts
+    from agentrl.stages.grpo import GRPOSettingsError, ToolRollout, check_merged_rollouts
 
     plugin = SimpleNamespace(zero_stage=stage) if deepspeed else None
     trainer = SimpleNamespace(
@@ -648,7 +651,7 @@ def test_merged_rollouts_are_refused_with_sharded_weights(fsdp, deepspeed, stage
     )
     check_merged_rollouts(trainer, ToolRollout(None))  # off: nothing to refuse
     if refused:
-        with pytest.raises(BatchConfigError, match="merged_rollouts.*ZeRO-3, FSDP"):
+        with pytest.raises(GRPOSettingsError, match="merged_rollouts.*ZeRO-3, FSDP"):
             check_merged_rollouts(trainer, ToolRollout(None, merged=True))
     else:
         check_merged_rollouts(trainer, ToolRollout(None, merged=True))
@@ -660,7 +663,7 @@ def test_merged_rollouts_are_refused_where_they_would_not_run():
     from types import SimpleNamespace
 
     from agentrl.config import ParamsError, validate_params
-    from agentrl.stages.grpo import BatchConfigError, ToolRollout, rollout_plan
+    from agentrl.stages.grpo import GRPOSettingsError, ToolRollout, rollout_plan
     from conftest import raw_params
 
     p = raw_params()
@@ -671,10 +674,10 @@ def test_merged_rollouts_are_refused_where_they_would_not_run():
     p = raw_params()
     p["grpo"]["merged_rollouts"] = True
     p["agent"].update(tools=[], environment="countdown", format="chat")
-    with pytest.raises(BatchConfigError, match="merged_rollouts.*TRL's own loop"):
+    with pytest.raises(GRPOSettingsError, match="merged_rollouts.*TRL's own loop"):
         rollout_plan(validate_params(p), SimpleNamespace(use_vllm=False), tok)
     p["agent"].update(environment=None, format="inline")
-    with pytest.raises(BatchConfigError, match="merged_rollouts.*vLLM"):
+    with pytest.raises(GRPOSettingsError, match="merged_rollouts.*vLLM"):
         rollout_plan(validate_params(p), SimpleNamespace(use_vllm=True), tok)
     rollout, factory = rollout_plan(validate_params(p), SimpleNamespace(use_vllm=False), tok)
     assert isinstance(rollout, ToolRollout) and rollout.merged and factory is None

@@ -54,28 +54,17 @@ def tiny_model_and_tokenizer():
 
 
 def test_grpoconfig_knobs_no_code_names_reach_the_trainer(tmp_path, tiny_model_and_tokenizer):
-    """Three GRPOConfig knobs that appear nowhere in src/: set in grpo.trainer, read back from a real
-    GRPOTrainer built on the miniature config."""
+    """Three GRPOConfig knobs that appear nowhere in src/: set in grpo.trainer, read back from the stage's own
+    trainer (grpo.build_trainer) built on the miniature config."""
     from datasets import Dataset
-    from trl import GRPOTrainer
-
-    from agentrl.agent.rewards import build_rewards
 
     knobs = {"num_iterations": 3, "epsilon_high": 0.28, "mask_truncated_completions": True}
     p = mini_params()
     p["grpo"]["trainer"].update(knobs)
     params = validate_params(p)
     model, tok = tiny_model_and_tokenizer
-    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "ground_truth": "2"}] * 8)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=funcs,
-        args=grpo.grpo_config(params, output_dir=str(tmp_path)),
-        train_dataset=ds,
-        processing_class=tok,
-        peft_config=peft_config(params, "grpo"),
-    )
+    trainer = grpo.build_trainer(params, grpo.grpo_config(params, output_dir=str(tmp_path)), model, tok, ds)
     assert {k: getattr(trainer.args, k) for k in knobs} == knobs
     # ... and the trainer itself runs with them
     assert (trainer.num_iterations, trainer.epsilon_high, trainer.mask_truncated_completions) == (3, 0.28, True)
@@ -292,7 +281,7 @@ def test_default_pipeline_values_unchanged(tmp_path):
 def test_grpo_batch_must_divide_by_num_generations():
     p = raw_params()
     p["grpo"]["trainer"].update(per_device_train_batch_size=10, num_generations=4, gradient_accumulation_steps=1)
-    with pytest.raises(grpo.BatchConfigError, match="divisible by grpo.trainer.num_generations"):
+    with pytest.raises(grpo.GRPOSettingsError, match="divisible by grpo.trainer.num_generations"):
         grpo.check_batch(validate_params(p), num_processes=1)
     assert grpo.check_batch(validate_params(p), num_processes=2) == 20
     p["grpo"]["trainer"].update(steps_per_generation=2)  # TRL's generation batch: per device x processes x steps
@@ -340,20 +329,19 @@ def test_model_is_created_after_the_trl_config_in_its_dtype(stage, workdir, monk
     assert events[-1] == ("model", "models/base", {"dtype": torch.float32, "attn_implementation": "eager"})
 
 
-def test_grpo_builds_its_rewards_once(workdir, monkeypatch):
-    """The stage builds the reward functions once (a custom one imports its module); GRPOConfig's
-    reward_weights are grpo.rewards' weights, not a second build."""
+def test_grpo_builds_its_rewards_once(tmp_path, monkeypatch, tiny_model_and_tokenizer):
+    """The stage builds the reward functions once (a custom one imports its module): GRPOConfig's reward_weights
+    are grpo.rewards' weights, not a second build, and the trainer gets the one build."""
+    from datasets import Dataset
+
     built = []
     real = grpo.build_rewards
     monkeypatch.setattr(grpo, "build_rewards", lambda *a: built.append(a) or real(*a))
-
-    def stop(*a, **k):
-        raise _Stop
-
-    monkeypatch.setattr(grpo, "load_tokenizer", stop)  # after the TRL config, before anything loads
-    with pytest.raises(_Stop):
-        grpo.train(validate_params(mini_params()))
-    assert len(built) == 1
+    params = validate_params(mini_params())
+    model, tok = tiny_model_and_tokenizer
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "ground_truth": "2"}] * 8)
+    trainer = grpo.build_trainer(params, grpo.grpo_config(params, output_dir=str(tmp_path)), model, tok, ds)
+    assert len(built) == 1 and len(trainer.reward_funcs) == len(params.grpo.rewards)
 
 
 def test_load_model_in_target_dtype_and_attention(tmp_path, tiny_model_and_tokenizer):

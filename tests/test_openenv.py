@@ -733,15 +733,14 @@ def _teach_calls(tok, model, texts: list[str], steps: int = 60) -> None:
 
 
 def _grpo_run(params, tok, model_state, rows, tmp_path, tag: str):
-    """Our pipeline's GRPO path (grpo.rollout_plan -> ToolRollout, rewards from params) for two steps; returns the
-    rollouts it produced and the final weights."""
+    """Our pipeline's GRPO path (grpo.build_trainer: the stage's trainer, ToolRollout, rewards from params) for two
+    steps; returns the rollouts it produced and the final weights."""
     import copy
 
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    from agentrl.agent.rewards import build_rewards
-    from agentrl.stages.grpo import rollout_plan
+    from agentrl.stages.grpo import build_trainer
 
     model = copy.deepcopy(model_state)
     args = GRPOConfig(
@@ -749,8 +748,9 @@ def _grpo_run(params, tok, model_state, rows, tmp_path, tag: str):
         max_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0,
         logging_steps=1, save_strategy="no", temperature=1.0,
     )  # fmt: skip
-    rollout, factory = rollout_plan(params, args, tok, rows)
-    assert factory is None and rollout is not None, "the inline format runs our loop (ToolRollout)"
+    trainer = build_trainer(params, args, model, tok, Dataset.from_list(rows))
+    rollout = trainer.rollout_func
+    assert trainer.ledger is None and rollout is not None, "the inline format runs our loop (ToolRollout)"
     seen = []
 
     def recording(prompts, trainer):
@@ -758,9 +758,7 @@ def _grpo_run(params, tok, model_state, rows, tmp_path, tag: str):
         seen.append({k: out[k] for k in ("prompt_ids", "completion_ids", "env_mask", "tool_calls", "solved")})
         return out
 
-    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
-    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tok, rollout_func=recording)  # fmt: skip
+    trainer.rollout_func = recording
     trainer.train()
     return seen, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -777,6 +775,7 @@ def test_countdown_over_openenv_gives_the_same_rollouts_and_weights_as_in_proces
 
     raw = mini_params()
     raw["agent"].update(environment="countdown", tools=[], format="inline")
+    raw["grpo"]["use_lora"] = False  # all weights train: the comparison sees every one
     rows = [_json(r) for r in TASKS["countdown"].make_rows(4, random.Random(1), "train")]
     rows = [{**r, "prompt": messages("", r["question"])} for r in rows]
     tok, model = tiny_lm([r["question"] + r["answer"] for r in rows] * 8, 300)
@@ -918,6 +917,7 @@ def test_grpo_trains_on_a_foreign_server_by_url(foreign, kind, call, tmp_path):
 
     raw = mini_params()
     raw["agent"].update(environment="openenv", tools=[], format="inline", environment_url=foreign[kind])
+    raw["grpo"]["use_lora"] = False  # all weights train: the comparison sees every one
     rows = [{"prompt": messages("", f"Say hi {i}"), "question": f"Say hi {i}", "ground_truth": "hi", "word": "hi"}
             for i in range(4)]  # fmt: skip
     answer = f"{call}\n#### hi"

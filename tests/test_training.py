@@ -414,13 +414,13 @@ def test_grpo_rollouts_call_the_tool_and_train_on_model_tokens_only(trained, mon
         return out
 
     rows_seen, rows_from_batch = [], []
-    real_rows_of = grpo.ToolRollout.rows_of
+    real_take = grpo.ToolRollout.take_batch_rows
 
-    def rows_of(self, prompts):
+    def take_batch_rows(self, prompts):
         rows_from_batch.append(self.batch_rows is not None)
-        return real_rows_of(self, prompts)
+        return real_take(self, prompts)
 
-    monkeypatch.setattr(grpo.ToolRollout, "rows_of", rows_of)
+    monkeypatch.setattr(grpo.ToolRollout, "take_batch_rows", take_batch_rows)
     monkeypatch.setattr(agent, "generate_with_tools", forced)
     SEEN_TOOL_KWARGS.clear()
     before = {k: v.clone() for k, v in grpo.starting_model().state_dict().items()}
@@ -459,30 +459,32 @@ def test_bench_merged_rollouts_alternates_the_two_samplers(trained, monkeypatch)
     assert r["rollout_tokens_per_second_ratio"] == pytest.approx(want) and want > 0
 
 
-def test_bench_grpo_steps_reset_each_episode_with_its_row(trained, monkeypatch):
-    """The benchmarks' GRPO step timing (agentrl.benchmarks.training; `make bench`, `make bench-tools`) builds its
-    rollout function as the stage does, with the dataset's rows: an environment such as countdown resets each episode
-    with its row (without them its episodes would have no numbers and target, and the timing would be of a different
-    task)."""
+def test_bench_grpo_steps_run_the_stage_trainer_on_its_rows(trained, monkeypatch):
+    """The benchmarks' GRPO step timing (agentrl.benchmarks.training; `make bench`, `make bench-tools`) times the
+    stage's own trainer (grpo.build_trainer -> EpisodeRowsGRPOTrainer, which hands each batch's rows to the rollout)
+    on the stage's dataset: an environment such as countdown resets each episode with its row (without them its
+    episodes would have no numbers and target, and the timing would be of a different task)."""
     from datasets import load_dataset
 
     from agentrl.benchmarks.training import grpo_step_stats
     from agentrl.stages import grpo
 
     monkeypatch.chdir(trained["dir"])
-    seen = []
+    built, build = [], grpo.build_trainer
 
     class Stop(Exception):
         pass
 
-    def plan(params, args, tok, rows=None):
-        seen.append(rows)
+    def recording(*args, **kwargs):
+        built.append(build(*args, **kwargs))
         raise Stop
 
-    monkeypatch.setattr(grpo, "rollout_plan", plan)
+    monkeypatch.setattr(grpo, "build_trainer", recording)
     with pytest.raises(Stop):
         grpo_step_stats(trained["params"], steps=1)
-    assert seen == [list(load_dataset("json", data_files=grpo.DATA, split="train"))] and seen[0]
+    trainer = built[0]
+    assert type(trainer) is grpo.EpisodeRowsGRPOTrainer and isinstance(trainer.tool_rollout, grpo.ToolRollout)
+    assert list(trainer.train_dataset) == list(load_dataset("json", data_files=grpo.DATA, split="train"))
 
 
 def test_chat_format_pipeline_runs_trl_native_tool_loop(tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ def _side_figures(side: dict) -> None:
 def chat_loops_side_by_side(params, make_model, tok, rows: list[dict], steps: int, warmup: int) -> dict:
     """GRPO in the chat format (params with agent.format chat, in memory) through our tool loop as rollout_func
     (grpo.ToolRollout) and through TRL's own environment loop (what the grpo stage runs for chat), one after the
-    other, built as grpo.train builds them (grpo_config, rollout_plan, baked_tool_template).
+    other, each the stage's own trainer (grpo.build_trainer).
 
     Args:
         params: the validated params (agent.tools or agent.environment set).
@@ -86,15 +86,14 @@ def chat_loops_side_by_side(params, make_model, tok, rows: list[dict], steps: in
             args.max_steps, args.save_strategy, args.logging_steps = steps, "no", 1
             return args
 
-        rollout = grpo.ToolRollout(toolset, rendered)
-        _, timed = timed_grpo(p, config(), make_model(), tok, rendered, warmup, rollout_func=rollout)
-        calls = rollout.curves["tools/tool_calls_per_problem"][warmup:]
-        out["ours"] = {"steps": timed, "tool_calls_per_completion": statistics.mean(calls)}
+        trainer, timed = timed_grpo(p, config(), make_model(), tok, rendered, warmup, (grpo.ToolRollout(toolset), None))
+        calls = [
+            h["tools/tool_calls_per_problem"] for h in trainer.state.log_history if "tools/tool_calls_per_problem" in h
+        ]
+        out["ours"] = {"steps": timed, "tool_calls_per_completion": statistics.mean(calls[warmup:])}
 
         args = config()
-        _, factory = grpo.rollout_plan(p, args, tok, rows)
-        finish = grpo.baked_tool_template(tok)
-        trainer, timed = timed_grpo(p, args, make_model(), tok, rows, warmup, finish, environment_factory=factory)
+        trainer, timed = timed_grpo(p, args, make_model(), tok, rows, warmup, grpo.rollout_plan(p, args, tok))
         calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
         out["trl"] = {"steps": timed, "tool_calls_per_completion": statistics.mean(calls[warmup:])}
     for side in ("ours", "trl"):

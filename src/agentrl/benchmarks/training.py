@@ -198,7 +198,7 @@ def _per_side(step_s: list, generation_s: list, tokens: list, merged: list) -> d
 
 
 def _grpo_trainer(params, args, callback):
-    """A GRPOTrainer as the grpo stage builds it for the project's rollout function, on the workspace's data
+    """The grpo stage's trainer (grpo.build_trainer) for the project's rollout function, on the workspace's data
     and SFT model.
 
     Args:
@@ -210,36 +210,25 @@ def _grpo_trainer(params, args, callback):
         (trainer, rollout): rollout is grpo.ToolRollout, which times itself.
     """
     from datasets import load_dataset
-    from trl import GRPOTrainer
 
-    from agentrl.agent.rewards import build_rewards
     from agentrl.modeling import STAGE_DIRS, load_tokenizer
     from agentrl.stages import grpo
-    from agentrl.stages import training as stage
 
-    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
     dataset = load_dataset("json", data_files=grpo.DATA, split="train")
     tok = load_tokenizer(STAGE_DIRS["sft"])
-    rollout, tools = grpo.rollout_plan(params, args, tok, list(dataset))  # rows: each episode reset with its own
+    rollout, factory = grpo.rollout_plan(params, args, tok)
     if rollout is None:
         raise SystemExit("bench: GRPO step timing needs the project's rollout function (not vLLM or chat tools)")
     callback.rollout = rollout
-    trainer = GRPOTrainer(
-        model=grpo.starting_model(),
-        reward_funcs=funcs,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tok,
-        peft_config=stage.peft_config(params, "grpo"),
-        callbacks=[callback()],
-        rollout_func=rollout,
-        tools=tools,
+    trainer = grpo.build_trainer(
+        params, args, grpo.starting_model(), tok, dataset, [callback()], plan=(rollout, factory)
     )
     return trainer, rollout
 
 
 def grpo_step_stats(params, steps: int = 12, alternate_merged: bool = False) -> dict:
-    """A short GRPOTrainer run with params.yaml's grpo config (nothing written to the workspace), timed per step.
+    """A short run of the stage's trainer with params.yaml's grpo config (nothing written to the workspace),
+    timed per step.
 
     Args:
         params: the validated params (the workspace's models/sft and GRPO data).
@@ -287,15 +276,15 @@ def grpo_step_stats(params, steps: int = 12, alternate_merged: bool = False) -> 
         "generation_share": sum(generation_s[GRPO_WARMUP:]) / sum(step_s[GRPO_WARMUP:]),
         "rollout_tokens_per_second": rollout.tokens / rollout.seconds if rollout.seconds else None,
         "rollout_tokens_per_step": statistics.median(tokens[GRPO_WARMUP:]),
-        "tool_use_rate": use_rates[-1:] or None,
+        "tool_use_rate": use_rates[-1] if use_rates else None,  # the stage trainer logs tools/*
     }
 
 
-def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, finish=None, **trainer_kwargs):
-    """A short GRPOTrainer run (`args.max_steps` steps) timed per optimizer step after `warmup`: wall seconds of
-    the step, and the seconds, policy-sampled tokens (the ones of the returned tool/env mask, or every completion
-    token without one) and completions of the trainer's `_generate`, which every rollout path (rollout_func or
-    TRL's own loop) runs inside.
+def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, plan: tuple):
+    """A short run (`args.max_steps` steps) of the grpo stage's trainer (grpo.build_trainer with `plan`) timed per
+    optimizer step after `warmup`: wall seconds of the step, and the seconds, policy-sampled tokens (the ones of
+    the returned tool/env mask, or every completion token without one) and completions of the trainer's
+    `_generate`, which every rollout path (rollout_func or TRL's own loop) runs inside.
 
     Args:
         params: the validated params (rewards, LoRA).
@@ -303,20 +292,16 @@ def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, finish=N
         model, tok: the starting policy and its tokenizer.
         rows: the training rows.
         warmup: leading steps left out.
-        finish: called with the trainer before training (e.g. grpo.baked_tool_template's), or None.
-        **trainer_kwargs: passed to GRPOTrainer (rollout_func=..., environment_factory=...).
+        plan: (rollout_func, environment_factory), as grpo.rollout_plan gives them.
 
     Returns:
         (trainer, steps): steps is one dict per timed step (step_s, seconds, tokens, completions).
     """
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOTrainer
 
-    from agentrl.agent.rewards import build_rewards
-    from agentrl.stages import training as stage
+    from agentrl.stages import grpo
 
-    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
     clock = {"seconds": 0.0, "tokens": 0, "completions": 0}
     steps: list[dict] = []
 
@@ -327,16 +312,7 @@ def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, finish=N
         def on_step_end(self, *a, **k):
             steps.append({"step_s": time.perf_counter() - self.t, **{x: clock[x] - self.at[x] for x in clock}})
 
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=funcs,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tok,
-        peft_config=stage.peft_config(params, "grpo"),
-        callbacks=[StepClock()],
-        **trainer_kwargs,
-    )
+    trainer = grpo.build_trainer(params, args, model, tok, Dataset.from_list(rows), [StepClock()], plan=plan)
     generate = trainer._generate
 
     def timed_generate(prompts):
@@ -349,9 +325,11 @@ def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, finish=N
         return out
 
     trainer._generate = timed_generate
-    if finish:
-        finish(trainer)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if trainer.ledger is not None:  # TRL's pooled environments, ended as the stage ends them
+            trainer.ledger.close_all()
     return trainer, steps[warmup:]
 
 

@@ -19,6 +19,8 @@ import time
 from collections import defaultdict
 from typing import Optional
 
+from trl import GRPOTrainer
+
 from ..agent.loop import BrokenEnvironmentError, BrokenEpisodes
 from ..agent.rewards import build_rewards
 from ..agent.tools import toolset_from_params
@@ -36,8 +38,9 @@ METRICS = "metrics/grpo_train.json"
 log = get_logger("grpo")
 
 
-class BatchConfigError(ValueError):
-    pass
+class GRPOSettingsError(ValueError):
+    """GRPO settings that cannot run together (batch sizes, the rollout path, merged rollouts): the stage ends in one
+    line naming them."""
 
 
 def check_batch(params: Params, num_processes: int | None = None) -> int:
@@ -49,7 +52,7 @@ def check_batch(params: Params, num_processes: int | None = None) -> int:
         num_processes: the launch's processes (default: this launch's).
 
     Returns:
-        The generation batch. BatchConfigError naming the keys when it does not divide.
+        The generation batch. GRPOSettingsError naming the keys when it does not divide.
     """
     trainer = params.grpo.trainer
 
@@ -71,7 +74,7 @@ def check_batch(params: Params, num_processes: int | None = None) -> int:
             f"({value(steps_key)}) = {gen_batch}"
         )
     if gen_batch % num_generations:
-        raise BatchConfigError(
+        raise GRPOSettingsError(
             f"grpo.trainer: the generation batch {how} completions must be divisible by "
             f"grpo.trainer.num_generations ({num_generations}); e.g. set per_device_train_batch_size to a multiple "
             f"of {num_generations}"
@@ -142,23 +145,14 @@ class ToolRollout:
     `merged` (grpo.merged_rollouts): generation runs on a plain copy of the policy whose weights are the LoRA's
     merged in (merged_policy), not on the PEFT model.
 
-    Each completion's episode is reset with its own dataset row. TRL hands a rollout_func the prompts only, so the
-    trainer (GRPOTrainer subclass in `train`) sets `batch_rows` to the batch's rows before each generation; called
-    without them (tests, a plain GRPOTrainer), rows are looked up by the prompt, which refuses a prompt that several
-    different rows share (FrozenLake with a hidden map, gridworld maps that recur with other seeds): it would reset
-    every such episode with one row."""
+    Each completion's episode is reset with its own dataset row (seed, map). TRL hands a rollout_func the prompts
+    only, so the stage's trainer (EpisodeRowsGRPOTrainer) sets `batch_rows` to the batch's rows before each
+    generation; rows cannot be found from the prompt text (FrozenLake with a hidden map: every prompt is the same)."""
 
-    def __init__(self, toolset, rows: Optional[list[dict]] = None, merged: bool = False, max_broken_share: float = 0.0):
+    def __init__(self, toolset, merged: bool = False, max_broken_share: float = 0.0):
         self.toolset = toolset
         self.merged = merged
         self.plain = None  # the merged copy, made on the first rollout and refreshed on every one
-        self.rows: dict[str, dict] = {}
-        self.shared: set[str] = set()  # prompts of more than one distinct row: no lookup by prompt for them
-        for r in rows or []:
-            key = prompt_key(r["prompt"])
-            if key in self.rows and self.rows[key] != r:
-                self.shared.add(key)
-            self.rows[key] = r
         self.batch_rows: Optional[list[dict]] = None
         self.max_broken_share = max_broken_share
         self.broken, self.first_broken = 0, None  # episodes whose environment failed (check_broken_episodes)
@@ -167,33 +161,22 @@ class ToolRollout:
         self.tokens = 0
         self.curves: dict[str, list[float]] = defaultdict(list)
 
-    def rows_of(self, prompts: list) -> Optional[list[dict]]:
-        """Each prompt's dataset row: the batch's own rows when the trainer handed them (and they are these
-        prompts'), else the lookup by prompt.
-
-        Args:
-            prompts: the prompts TRL asks completions for, in its order.
-
-        Returns:
-            The rows, or None when the dataset had none.
-        """
+    def take_batch_rows(self, prompts: list) -> Optional[list[dict]]:
+        """The rows the trainer handed for these prompts (taken: each batch's rows serve one generation); None
+        without a toolset, whose plain sampling needs no row."""
         batch, self.batch_rows = self.batch_rows, None
-        if batch is not None:
-            if len(batch) != len(prompts) or any(
-                prompt_key(r.get("prompt")) != prompt_key(p) for r, p in zip(batch, prompts)
-            ):
-                raise RuntimeError("grpo: the batch's rows are not the prompts' TRL asked completions for")
-            return [dict(r) for r in batch]
-        if not self.rows:
-            return None
-        shared = [p for p in prompts if prompt_key(p) in self.shared]
-        if shared:
-            raise ValueError(
-                f"grpo: {len(self.shared)} prompt(s) of the RL data are shared by different rows (e.g. "
-                f"{prompt_key(shared[0])[:120]}): their episodes need each row's own fields, which only the trainer's "
-                "batch gives (ToolRollout.batch_rows, set by agentrl.stages.grpo's trainer)"
+        if batch is None:
+            if self.toolset is None:
+                return None
+            raise RuntimeError(
+                "grpo: the tool loop's episodes need each prompt's dataset row, which only the stage's trainer hands "
+                "over (grpo.build_trainer; ToolRollout.batch_rows)"
             )
-        return [self.rows.get(prompt_key(p), {}) for p in prompts]
+        if len(batch) != len(prompts) or any(
+            _prompt_text(r.get("prompt")) != _prompt_text(p) for r, p in zip(batch, prompts)
+        ):
+            raise RuntimeError("grpo: the batch's rows are not the prompts' TRL asked completions for")
+        return [dict(r) for r in batch]
 
     def pop_curves(self) -> dict[str, float]:
         """tools/<stat> averaged over the batches since the last call, as TRL averages its own metrics."""
@@ -207,7 +190,7 @@ class ToolRollout:
 
         from ..agent.loop import check_broken_episodes, generate_with_tools, tool_stats
 
-        rows = self.rows_of(prompts)
+        rows = self.take_batch_rows(prompts)
         started = time.perf_counter()
         extra = {
             k: v
@@ -304,7 +287,7 @@ def merged_policy(model, plain=None):
             if p.requires_grad and not re.search(r"\.lora_[AB]\.[^.]+\.weight$", n)
         ]
         if stale:
-            raise BatchConfigError(
+            raise GRPOSettingsError(
                 "grpo.merged_rollouts refreshes the merged copy from the LoRA A/B weights only; these trained "
                 f"parameters would go stale in it: {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''} "
                 "(DoRA magnitudes, modules_to_save, LoRA biases, trainable tokens): set merged_rollouts: false"
@@ -342,25 +325,18 @@ def check_merged_rollouts(trainer, rollout) -> None:
     if getattr(trainer, "is_fsdp_enabled", False) or (
         getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3
     ):
-        raise BatchConfigError(
+        raise GRPOSettingsError(
             "grpo.merged_rollouts copies the whole policy on each process; with sharded weights (DeepSpeed ZeRO-3, "
             "FSDP) set it to false"
         )
 
 
-def prompt_key(prompt) -> str:
-    """A prompt's key in the row lookup of the rollout function (its JSON text).
-
-    Args:
-        prompt: chat messages or a string.
-
-    Returns:
-        The key.
-    """
+def _prompt_text(prompt) -> str:
+    """A prompt (chat messages or a string) as comparable text."""
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
-def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
+def rollout_plan(params: Params, args, tok):
     """(rollout_func, environment_factory) for GRPOTrainer. Inline tools and plain sampling run through
     ToolRollout (the project's tool loop, one environment episode per completion, reset with its row);
     agent.format chat hands the environment class to TRL's own multi-turn loop
@@ -371,7 +347,6 @@ def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
         params: the run's params.
         args: the GRPOConfig.
         tok: the policy's tokenizer.
-        rows: the RL dataset's rows.
 
     Returns:
         (rollout_func or None, environment_factory or None).
@@ -380,24 +355,24 @@ def rollout_plan(params: Params, args, tok, rows: Optional[list[dict]] = None):
     merged = params.grpo.merged_rollouts
     if toolset is not None and params.agent.format == "chat":
         if merged:
-            raise BatchConfigError(
+            raise GRPOSettingsError(
                 "grpo.merged_rollouts: agent.format 'chat' with an environment runs TRL's own loop, which generates "
                 "with the PEFT model; set merged_rollouts: false (it speeds up the project's loop only)"
             )
         return None, toolset.factory
     if getattr(args, "use_vllm", False):
         if toolset is not None:
-            raise BatchConfigError(
+            raise GRPOSettingsError(
                 "agent.format 'inline' runs the project's own tool loop (transformers generate); "
                 "TRL's use_vllm needs agent.tools: [] or agent.format: chat"
             )
         if merged:
-            raise BatchConfigError(
+            raise GRPOSettingsError(
                 "grpo.merged_rollouts: with use_vllm TRL merges the LoRA itself when it syncs vLLM; "
                 "set merged_rollouts: false"
             )
         return None, None
-    return ToolRollout(toolset, rows, merged, params.agent.max_broken_share), None
+    return ToolRollout(toolset, merged, params.agent.max_broken_share), None
 
 
 def baked_tool_template(tok):
@@ -530,6 +505,68 @@ def _curve_metrics(
     }
 
 
+class EpisodeRowsGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer that hands each batch's dataset rows to the project's rollout function (TRL gives a
+    rollout_func the prompts only; each episode is reset with its own row), adds the tool loop's curves (tools/*)
+    to every log, and, under TRL's own multi-turn loop (agent.format chat), stops on too many broken episodes
+    after each batch. Built by build_trainer, for the stage and the benchmarks alike."""
+
+    def __init__(self, *args, tool_rollout: Optional[ToolRollout] = None, ledger=None, **kwargs):
+        self.tool_rollout = tool_rollout
+        self.ledger = ledger  # agent.loop.BrokenEpisodes over TRL's environment instances, or None
+        super().__init__(*args, rollout_func=tool_rollout, **kwargs)
+
+    def log(self, logs, start_time=None):
+        curves = self.tool_rollout or self.ledger
+        logs.update(curves.pop_curves() if curves else {})
+        super().log(logs, start_time)
+
+    def _generate_and_score_completions(self, inputs):
+        # the prompts TRL 1.16 hands rollout_func are built from these inputs, in this order
+        if self.tool_rollout is not None:
+            self.tool_rollout.batch_rows = inputs
+        batch = super()._generate_and_score_completions(inputs)
+        if self.ledger is not None:
+            self.ledger.check()
+        return batch
+
+
+def build_trainer(
+    params: Params, args, model, tok, dataset, callbacks: Optional[list] = None, plan: Optional[tuple] = None
+) -> EpisodeRowsGRPOTrainer:
+    """The stage's trainer: rewards and LoRA from params, the rollout plan (`plan`, default rollout_plan's), TRL's
+    broken-episode ledger and baked chat template for agent.format chat, the merged-rollouts check. The benchmarks
+    build theirs here too, so they time what the stage runs.
+
+    Args:
+        params, args: the run's params and its GRPOConfig.
+        model, tok: the starting policy and its tokenizer (whose chat template may be swapped, baked_tool_template).
+        dataset: the RL rows (a datasets.Dataset).
+        callbacks: extra TrainerCallbacks.
+        plan: (rollout_func, environment_factory) instead of rollout_plan's (a benchmark's side by side).
+    """
+    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
+    rollout, environment_factory = plan or rollout_plan(params, args, tok)
+    finish = baked_tool_template(tok) if environment_factory else None
+    ledger = BrokenEpisodes(params.agent.max_broken_share) if environment_factory else None
+    trainer = EpisodeRowsGRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        peft_config=training.peft_config(params, "grpo"),
+        callbacks=callbacks,
+        tool_rollout=rollout,
+        ledger=ledger,
+        environment_factory=ledger.track(environment_factory) if ledger else None,
+    )
+    if finish:
+        finish(trainer)
+    check_merged_rollouts(trainer, rollout)
+    return trainer
+
+
 def train(params: Params) -> dict:
     """Train the GRPO stage: TRL's GRPOTrainer over the SFT model, rollouts through our tool loop (or TRL's
     environment_factory loop for agent.format chat); saves models/grpo and metrics/grpo_train.json.
@@ -541,10 +578,8 @@ def train(params: Params) -> dict:
         The metrics written to metrics/grpo_train.json.
     """
     from datasets import load_dataset
-    from trl import GRPOTrainer
 
     gen_batch = check_batch(params)
-    funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
     args, callbacks = training.start(params, "grpo", grpo_config)
     check_generation(args)
     tok = load_tokenizer(STAGE_DIRS["sft"])
@@ -552,49 +587,14 @@ def train(params: Params) -> dict:
     ds = load_dataset("json", data_files=DATA, split="train")
     _log_plan(params, args, len(ds), gen_batch)
     resume = _resume_checkpoint(params, args)
-    rollout, environment_factory = rollout_plan(params, args, tok, list(ds))
-    finish = baked_tool_template(tok) if environment_factory else None
-    # TRL's own loop (agent.format chat): its episodes' broken environments counted as the project's loop counts them
-    ledger = BrokenEpisodes(params.agent.max_broken_share) if environment_factory else None
-    environment_factory = ledger.track(environment_factory) if ledger else None
-    curves = rollout or ledger
-
-    class GRPOWithToolCurves(GRPOTrainer):
-        def log(self, logs, start_time=None):  # the tool loop's curves (tools/*) join TRL's metrics in each log
-            logs.update(curves.pop_curves() if curves else {})
-            super().log(logs, start_time)
-
-        def _generate_and_score_completions(self, inputs):
-            # TRL hands rollout_func the prompts only; its episodes need their rows (seed, map), which are these
-            # inputs, in the prompts' order (TRL 1.16 builds the prompts from them)
-            if rollout is not None:
-                rollout.batch_rows = inputs
-            batch = super()._generate_and_score_completions(inputs)
-            if ledger is not None:
-                ledger.check()
-            return batch
-
-    trainer = GRPOWithToolCurves(
-        model=model,
-        reward_funcs=funcs,
-        args=args,
-        train_dataset=ds,
-        processing_class=tok,
-        peft_config=training.peft_config(params, "grpo"),
-        callbacks=callbacks,
-        rollout_func=rollout,
-        environment_factory=environment_factory,
-    )
-    if finish:
-        finish(trainer)
-    check_merged_rollouts(trainer, rollout)
+    trainer = build_trainer(params, args, model, tok, ds, callbacks)
     try:
         _, run = training.train(trainer, resume)
     finally:
-        if ledger is not None:  # TRL's loop pools its environments and never ends an episode: closed here
-            ledger.close_all()
+        if trainer.ledger is not None:  # TRL's loop pools its environments and never ends an episode: closed here
+            trainer.ledger.close_all()
     metrics = {
-        **_curve_metrics(trainer.state.log_history, rollout, run["runtime_s"], gen_batch),
+        **_curve_metrics(trainer.state.log_history, trainer.tool_rollout, run["runtime_s"], gen_batch),
         "beta": args.beta,
         **run,
     }
@@ -611,4 +611,4 @@ def train(params: Params) -> dict:
 
 
 if __name__ == "__main__":
-    training.main("grpo", train, BatchConfigError, BrokenEnvironmentError, OpenEnvError)
+    training.main("grpo", train, GRPOSettingsError, BrokenEnvironmentError, OpenEnvError)
