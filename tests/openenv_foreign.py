@@ -24,7 +24,7 @@ from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 
-from agentrl.envs.openenv_server import BackgroundServer, _listening_socket, _uvicorn_server
+from agentrl.serving.openenv_server import BackgroundServer, _listening_socket, _uvicorn_server
 
 
 class EchoEnvironment(MCPEnvironment):

@@ -98,13 +98,10 @@ def all_modules(src: Path = SRC) -> list[str]:
 
 
 def import_cycle(src: Path = SRC) -> list[str]:
-    """One import cycle among the package's top-level modules and sub-packages (['a', 'b', 'a'], ['c', 'pkg', 'c']),
-    or [] when there is none. A sub-package is one node: inside it, a lazy import back (envs/mixture.py looks the
-    registry that imports it up when used) is its own business; across packages the layering test applies."""
-    graph = {}
-    for m in all_modules(src):
-        graph.setdefault(m.split(".")[0], set()).update(d.split(".")[0] for d in package_imports(m, src))
-    graph = {m: deps - {m} for m, deps in graph.items()}
+    """One import cycle among the package's modules (['a', 'b', 'a'], ['envs.x', 'envs.y', 'envs.x']), lazy imports
+    inside functions included, or [] when there is none. Inside a sub-package too: two modules of `envs/` that
+    import each other are one idea split in two files."""
+    graph = {m: package_imports(m, src) - {m} for m in all_modules(src)}
     done, path = set(), []
 
     def visit(m):
@@ -174,7 +171,11 @@ def test_import_cycle_finder_finds_one(tmp_path):
     (tmp_path / "pkg/__init__.py").write_text("")
     (tmp_path / "pkg/m.py").write_text("from ..c import f\n")
     (tmp_path / "c.py").write_text("from .a import f\nfrom .pkg.m import g\n")
-    assert import_cycle(tmp_path) == ["c", "pkg", "c"]
+    assert import_cycle(tmp_path) == ["c", "pkg.m", "c"]
+    (tmp_path / "c.py").write_text("from .a import f\n")  # two modules of one sub-package, one importing lazily
+    (tmp_path / "pkg/m.py").write_text("from .n import h\n")
+    (tmp_path / "pkg/n.py").write_text("def h():\n    from .m import g\n")
+    assert import_cycle(tmp_path) == ["pkg.m", "pkg.n", "pkg.m"]
 
 
 def test_package_imports_resolve_relative_imports_in_sub_packages(tmp_path):
@@ -359,3 +360,123 @@ def test_full_pipeline_then_grpo_only_change(repo):
     expected = {"grpo", "eval_grpo", "export", "eval_quantized", "card"} | ({"compare"} if changed else set())
     assert set(rerun) == expected, (rerun, changed)
     assert json.loads((repo / "metrics/export.json").read_text())["passed"]
+
+
+ECHO_ENVIRONMENT = '''"""A throwaway built-in: say the row's word back."""
+
+GEN_DEFAULTS = {"length": 3}
+ENV_DEFAULTS = {"loud": False}
+
+
+class Echo:
+    def __init__(self, loud: bool = False):
+        self.loud, self.word = loud, None
+
+    def reset(self, **row):
+        self.word = row.get("word")
+
+    def say(self, word: str) -> str:
+        """Say a word.
+
+        Args:
+            word: the word.
+        """
+        return "yes" if word == self.word else "no"
+
+
+def make_rows(n, rng, split, env_knobs=None, exclude=(), **gen_knobs):
+    rows, taken = [], set(exclude)
+    while len(rows) < n:
+        word = "".join(rng.choice("abcdefgh") for _ in range(gen_knobs.get("length", 3)))
+        if word not in taken:
+            taken.add(word)
+            rows.append({"question": f"Say {word}.", "answer": f"#### {word}", "ground_truth": word, "word": word})
+    return rows
+
+
+def instance_key(row):
+    return row["word"]
+
+
+def correct(row, text, env):
+    return text.strip().endswith(row["word"])
+'''
+
+ECHO_RUN = """
+import json, sys
+from pathlib import Path
+from agentrl.agent.tools import toolset_from_params
+from agentrl.config import validate_params
+from agentrl.envs import contract
+from agentrl.envs.registry import environment_spec
+from agentrl.stages.prepare import prepare
+
+import yaml
+
+params = validate_params(yaml.safe_load(Path(sys.argv[1]).read_text()))
+spec = environment_spec(params.agent.environment, params.environments)
+contract.check_task_module(spec.task)
+episode = toolset_from_params(params.agent, env_params=params.environments).episode({"word": "abc"})
+metrics = prepare(params, Path("prepared"), Path("prepare.json"))
+import agentrl
+
+print(json.dumps({"gen": spec.gen, "env": spec.env, "tools": list(episode.tools), "written": metrics["written"],
+                  "package": agentrl.__file__}))
+"""
+
+
+def test_a_new_builtin_environment_needs_no_dvc_yaml_edit(tmp_path):
+    """Issue 54 item 2: a new built-in environment, added as docs/environments.md says (its module in envs/, its
+    import and one line in each dict of envs/tasks.py, its params section), is resolved, played and prepared, and
+    every stage's declared code deps still match its import closure: dvc.yaml needs no edit."""
+    import shutil
+    import sys
+
+    src = tmp_path / "src" / "agentrl"
+    shutil.copytree(SRC, src, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "envs" / "echo.py").write_text(ECHO_ENVIRONMENT)
+    tasks = (src / "envs" / "tasks.py").read_text()
+    tasks = tasks.replace("from . import countdown,", "from . import countdown, echo,")
+    tasks = tasks.replace(
+        "ENVIRONMENTS: dict[str, type] = {\n", 'ENVIRONMENTS: dict[str, type] = {\n    "echo": echo.Echo,\n'
+    )
+    tasks = tasks.replace("TASKS = {\n", 'TASKS = {\n    "echo": echo,\n')
+    assert tasks.count("echo") == 5, "envs/tasks.py no longer has the shape docs/environments.md describes"
+    (src / "envs" / "tasks.py").write_text(tasks)
+
+    stages = yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        module = stage["cmd"].split("-m agentrl.")[1].split()[0]
+        declared = {d for d in stage["deps"] if d.startswith("src/")}
+        assert stage_code_deps(module, src) == declared, f"stage {name} would need a dvc.yaml edit"
+        assert module_file("envs.echo", src) in {module_file(m, src) for m in local_imports(module, src)}
+
+    raw = mini_params()
+    raw["agent"].update(environment="echo", tools=[], format="inline")
+    raw["environments"]["echo"] = {"num_train": 4, "num_test": 2, "length": 4, "loud": True}
+    (tmp_path / "echo.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "run.py").write_text(ECHO_RUN)
+    env = {**tool_env(), "PYTHONPATH": str(tmp_path / "src")}
+    out = subprocess.run(
+        [sys.executable, "run.py", "echo.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got.pop("package") == str(src / "__init__.py"), "the run imported another agentrl than the copy"
+    assert got == {"gen": {"length": 4}, "env": {"loud": True}, "tools": ["say"],
+                   "written": {"sft_train": 4, "rl_train": 4, "test": 2}}  # fmt: skip
+
+
+def test_bytecode_in_a_directory_dep_is_not_a_change():
+    """A stage that depends on a whole sub-package (src/agentrl/envs) must not re-run because Python wrote
+    __pycache__ there: DVC ignores bytecode (.dvcignore), checked with DVC's own ignore rules."""
+    from dvc.repo import Repo
+
+    root = Path(__file__).resolve().parents[1]
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    folders = {d for s in stages.values() for d in s["deps"] if d.startswith("src/") and not d.endswith(".py")}
+    assert "src/agentrl/envs" in folders
+    ignore = Repo(str(root)).dvcignore
+    for folder in folders:
+        assert ignore.is_ignored_file(str(root / folder / "__pycache__" / "registry.cpython-311.pyc")), folder
+        assert not ignore.is_ignored_file(str(root / folder / "__init__.py")), folder

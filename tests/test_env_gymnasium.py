@@ -380,8 +380,9 @@ def test_defaults_are_the_signature_defaults_and_the_config_validates_them():
 
 def test_registered_and_solved_by_the_environment():
     from agentrl.envs import registry as tools
+    from agentrl.envs.tasks import ENVIRONMENTS, TASKS
 
-    assert tools.ENVIRONMENTS["gymnasium"] is GymnasiumEnv and tools.TASKS["gymnasium"] is gt
+    assert ENVIRONMENTS["gymnasium"] is GymnasiumEnv and TASKS["gymnasium"] is gt
     row = make_rows(1, random.Random(0), "train", env_knobs=DETERMINISTIC)[0]
     env = replay(row, DETERMINISTIC)
     assert tools.episode_solved(row, "", env) is True

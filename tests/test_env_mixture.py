@@ -236,18 +236,18 @@ def test_call_formats_refuse_what_they_cannot_drive():
             """
             return x
 
-    from agentrl.envs import registry as tools
+    from agentrl.envs.tasks import ENVIRONMENTS
 
     two = {"two": {"environment": "countdown", "share": 1.0}}
-    original = tools.ENVIRONMENTS["countdown"]
-    tools.ENVIRONMENTS["countdown"] = TwoTools
+    original = ENVIRONMENTS["countdown"]
+    ENVIRONMENTS["countdown"] = TwoTools
     try:
         with pytest.raises(
             ValueError, match=r"members\.two: agent.format 'inline' .* drives one tool .* has 2 \(a, b\)"
         ):
             member_factories(two, "inline")
     finally:
-        tools.ENVIRONMENTS["countdown"] = original
+        ENVIRONMENTS["countdown"] = original
 
 
 def test_trls_loop_gets_a_dict_of_factories_in_the_chat_format():

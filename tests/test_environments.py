@@ -475,7 +475,7 @@ def test_each_episode_is_closed_once_judged_and_close_is_never_a_tool(tiny, monk
     import inspect
 
     from agentrl.agent.loop import BrokenEpisodes
-    from agentrl.envs.registry import environment_tools
+    from agentrl.envs.contract import environment_tools
     from agentrl.stages.grpo import ToolRollout
 
     monkeypatch.setattr(ClosesItsSession, "closed", 0)

@@ -113,7 +113,7 @@ def test_the_reasoning_gym_example_validates_and_scores_with_reasoning_gyms_veri
 def test_the_openenv_example_plays_the_class_on_a_server_as_in_process(at_root):
     """Form 3: the class served by the project's OpenEnv server, reached by URL as the recipe says (its port set to
     the test's free one), answers every call as in-process and judges with the same rule."""
-    from agentrl.envs.openenv_server import serve_in_thread
+    from agentrl.serving.openenv_server import serve_in_thread
 
     server = serve_in_thread(CLASS_PATH)
     try:

@@ -1,4 +1,4 @@
-"""OpenEnv both ways (issue 42): our environments served with openenv-core's `create_app` (envs/openenv_server.py)
+"""OpenEnv both ways (issue 42): our environments served with openenv-core's `create_app` (serving/openenv_server.py)
 and played over OpenEnv in TRL's environment_factory shape (envs/openenv_client.py, agent.environment_url).
 
 (a) each registered environment's server plays a demonstration through openenv-core's own GenericEnvClient and
@@ -22,9 +22,11 @@ import yaml
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from agentrl.agent.tools import _ANNOTATION
+from agentrl.envs.contract import environment_tools
 from agentrl.envs.openenv_client import OpenEnvError, remote_environment_class
-from agentrl.envs.openenv_server import JUDGE_TOOL, serve_in_thread
-from agentrl.envs.registry import ENVIRONMENTS, TASKS, environment_tools, episode_solved
+from agentrl.envs.registry import episode_solved
+from agentrl.envs.tasks import ENVIRONMENTS, TASKS
+from agentrl.serving.openenv_server import JUDGE_TOOL, serve_in_thread
 from conftest import make_toolset, mini_params, tiny_lm
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -347,7 +349,7 @@ def test_openenv_mcp_tool_client_plays_an_episode_against_our_server(tmp_path):
     """Issue 55 item 2: openenv-core's MCPToolClient got `Invalid message (code: VALIDATION_ERROR)` from `make
     env-server`: our server took its own action shape only. It now takes OpenEnv's MCP actions: the client lists the
     tools (the judge action is not one) and plays a countdown episode through call_tool, against the server the
-    make target starts (`python -m agentrl.envs.openenv_server --env countdown`, params.yaml's knobs)."""
+    make target starts (`python -m agentrl.serving.openenv_server --env countdown`, params.yaml's knobs)."""
     import asyncio
     import subprocess
     import sys
@@ -357,7 +359,7 @@ def test_openenv_mcp_tool_client_plays_an_episode_against_our_server(tmp_path):
     (tmp_path / "params.yaml").write_text(
         yaml.safe_dump({"environments": {"countdown": {"num_train": 1, "num_test": 1}}})
     )
-    cmd = [sys.executable, "-m", "agentrl.envs.openenv_server", "--env", "countdown", "--port", "0"]
+    cmd = [sys.executable, "-m", "agentrl.serving.openenv_server", "--env", "countdown", "--port", "0"]
     server = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     async def episode(url):
@@ -436,7 +438,7 @@ def test_a_streamed_body_past_the_limit_is_refused_without_reaching_the_app():
     """The same limit for a body sent without Content-Length (chunked): counted as it is read."""
     import asyncio
 
-    from agentrl.envs.openenv_server import _limit_bodies
+    from agentrl.serving.openenv_server import _limit_bodies
 
     reached, sent = [], []
 
@@ -465,7 +467,7 @@ def test_partial_headers_and_idle_sessions_are_closed_and_a_pooled_session_recon
     import urllib.request
 
     from agentrl import http_limits
-    from agentrl.envs import openenv_server
+    from agentrl.serving import openenv_server
 
     monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 1.0)
     monkeypatch.setattr(openenv_server, "IDLE_TIMEOUT_S", 1.0)
@@ -524,7 +526,7 @@ def test_a_reply_that_answers_another_request_is_never_read_as_this_ones():
     replies to requests). Each call now carries its number, our server echoes it, and a reply for another call
     ends the episode's session as out of step (a broken episode, counted), never a shifted answer."""
     from agentrl.envs.contract import EnvironmentLost
-    from agentrl.envs.openenv_server import _listening_socket, _uvicorn_server
+    from agentrl.serving.openenv_server import _listening_socket, _uvicorn_server
 
     sock = _listening_socket("127.0.0.1", 0)
     server = _uvicorn_server(_double_replying_server(), "127.0.0.1")
@@ -548,7 +550,7 @@ def test_a_failed_reset_ends_the_previous_episode():
     from fastapi import HTTPException
     from openenv.core.env_server.mcp_types import CallToolAction
 
-    from agentrl.envs.openenv_server import ServedEnvironment
+    from agentrl.serving.openenv_server import ServedEnvironment
 
     env = ServedEnvironment("countdown", {})
     env.reset(numbers=[3, 5, 3], target=24)

@@ -289,18 +289,9 @@ class AgentParams(Strict):
 
     @model_validator(mode="after")
     def _url_needs_environment(self) -> "AgentParams":
-        from .envs.registry import FOREIGN
+        from .envs.registry import check_environment_url
 
-        if self.environment_url and (not self.environment or self.environment == "mixture"):
-            raise ValueError(
-                "agent.environment_url plays agent.environment over OpenEnv: set agent.environment (one environment, "
-                f"not a mixture; {FOREIGN}: whatever a server that is not ours serves), got {self.environment!r}"
-            )
-        if self.environment == FOREIGN and self.environment_url in (None, "serve"):
-            raise ValueError(
-                f"agent.environment {FOREIGN} is the environment of the OpenEnv server at agent.environment_url: set "
-                f"its URL (http://host:port), got {self.environment_url!r}"
-            )
+        check_environment_url(self.environment, self.environment_url)
         return self
 
     @field_validator("environment")
@@ -353,11 +344,9 @@ class Params(Strict):
             )
         if self.agent.format == "inline" and len(self.agent.tools) > 1:
             raise ValueError("agent.format 'inline' (<<expr=) drives one tool; list one in agent.tools or use 'chat'")
-        from .envs.registry import TASKS
+        from .envs.registry import environment_spec
 
-        env = self.agent.environment
-        if env in TASKS and env not in self.environments:  # its rows come from that section (prepare reads num_*)
-            raise ValueError(f"agent.environment '{env}' generates its rows from environments.{env}: add that section")
+        environment_spec(self.agent.environment, self.environments)  # a built-in's rows need its section
         return self
 
 

@@ -97,7 +97,7 @@ def _init_fields(cls: type) -> dict:
 _ADAPTERS: dict = {}
 
 
-def _type_error(cls: type, name: str, value: Any) -> Optional[str]:
+def _annotation_error(cls: type, name: str, value: Any) -> Optional[str]:
     """None when `value` fits the dataclass field's annotation (strictly: "150" is no int, true no number)."""
     import typing
 
@@ -162,7 +162,7 @@ def passthrough_errors(raw: dict) -> list[str]:
                 errors.append(f"{where}: unknown argument of {cls.__name__}{hint}")
             elif nf := _non_finite(value, where):
                 errors += nf
-            elif (msg := _type_error(cls, key, value)) is not None:
+            elif (msg := _annotation_error(cls, key, value)) is not None:
                 errors.append(f"{where}: {msg}")
             elif (
                 key in PASSTHROUGH_BOUNDS

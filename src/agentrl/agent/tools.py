@@ -24,16 +24,9 @@ from typing import Callable, Optional
 
 from ..envs import mixture
 from ..envs.calculator import Calculator, ToolError, calculator
-from ..envs.contract import EnvironmentLost
-from ..envs.registry import (
-    TASKS,
-    TOOLS,
-    ImportPathError,
-    call_tool,
-    environment_tools,
-    get_environment,
-    import_path,
-)
+from ..envs.contract import EnvironmentLost, environment_tools
+from ..envs.registry import MIXTURE, ImportPathError, call_tool, environment_spec, get_environment, import_path
+from ..envs.tasks import TOOLS
 
 MAX_RESULT_CHARS = 200  # a tool result longer than this is cut (what the policy reads back)
 
@@ -303,24 +296,26 @@ class Toolset:
         if not environment and not names:
             raise ValueError("agent.tools is empty: there is no tool to call")
         self.environment = environment or None
-        if env_class is None:  # else `environment` is played elsewhere (its OpenEnv client class)
-            env_class = get_environment(environment) if environment else functions_environment(list(names))
-        self.env_class = env_class
         self.env_kwargs = dict(env_kwargs or {})
         # a mixture (envs/mixture.py): one factory per member, as TRL's environment_factory dict; each row's
         # `environment` picks its episode's (factory_for)
-        self.members = mixture.member_factories(self.env_kwargs.get("members"), fmt) if environment == "mixture" else {}
+        self.members = mixture.member_factories(self.env_kwargs.get("members"), fmt) if environment == MIXTURE else {}
+        if self.members:
+            env_class = None
+        elif env_class is None:  # else `environment` is played elsewhere (its OpenEnv client class)
+            env_class = get_environment(environment) if environment else functions_environment(list(names))
+        self.env_class = env_class
         self.factory = self.members or functools.partial(self.env_class, **self.env_kwargs)
         probe = (next(iter(self.members.values())) if self.members else self.factory)()
         self.tools = environment_tools(probe)
         if not self.tools:
-            raise ValueError(f"agent.environment: {self.env_class.__name__} has no public tool methods")
+            raise ValueError(f"agent.environment: {type(probe).__name__} has no public tool methods")
         self.names = list(names) if names else list(self.tools)
         self.default_tool = next(iter(self.tools)) if not names else names[0].rpartition(":")[2]
         self.format = InlineFormat() if fmt == "inline" else ChatFormat(eos_token)
         if fmt == "inline" and len(self.tools) > 1:
             raise ValueError(
-                f"agent.format 'inline' (<<arg=) drives one tool; {self.env_class.__name__} has "
+                f"agent.format 'inline' (<<arg=) drives one tool; {type(probe).__name__} has "
                 f"{', '.join(self.tools)}: use agent.format 'chat'"
             )
         self.max_calls = max_calls
@@ -376,7 +371,7 @@ class Toolset:
 
 def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Optional[dict] = None) -> Optional[Toolset]:
     """The Toolset that `agent.*` params describe, or None when there is no tool and no environment.
-    `env_params` (params.environments) gives a built-in environment its runtime knobs.
+    `env_params` (params.environments) gives a built-in environment its runtime knobs (registry.environment_spec).
 
     Args:
         agent: the agent params section.
@@ -389,10 +384,7 @@ def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Option
     environment = agent.environment
     if not agent.tools and not environment:
         return None
-    env_kwargs = {}
-    if environment in TASKS:
-        knobs = (env_params or {}).get(environment) or {}
-        env_kwargs = {k: v for k, v in knobs.items() if k in TASKS[environment].ENV_DEFAULTS}
+    env_kwargs = environment_spec(environment, env_params).env
     env_class = None
     if getattr(agent, "environment_url", None):  # the episodes go over OpenEnv; the knobs go to the server
         from ..envs.openenv_client import environment_over_openenv

@@ -108,11 +108,13 @@ def probe_environment(tree: dict, overrides: dict) -> Optional[dict]:
     Returns:
         {"environment", "rows", "seconds_per_row", "estimated_prepare_s", "peak_rss_mb"}, or None.
     """
-    from ..envs.registry import TASKS
+    from ..envs.registry import task_module
 
     name = (tree.get("agent") or {}).get("environment")
     touched = any(k == "agent.environment" or k.split(".")[0] == "environments" for k in overrides)
-    if name not in TASKS or not touched:  # no environment, or the user's own class / server: nothing generated here
+    if (
+        task_module(name) is None or not touched
+    ):  # no environment, or the user's own class / server: nothing generated here
         return None
     knobs = tree["environments"][name]
     key = f"environments.{name}"

@@ -189,7 +189,7 @@ def tool_loop_speed(params, n: int, stage: str = "grpo", ceiling: bool = False) 
 
     model, tok = load_policy(stage)
     model.eval()
-    toolset = toolset_from_params(params.agent, tok.eos_token)
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
     prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[:n]]
     kw = toolset.chat_template_kwargs() if toolset else None
     max_new, batch_size = params.eval.max_new_tokens, params.eval.batch_size
@@ -219,7 +219,7 @@ def eval_speed(params, n: int, stage: str) -> dict:
 
     model, tok = load_policy(stage)
     model.eval()
-    toolset = toolset_from_params(params.agent, tok.eos_token)
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
     rows = load_jsonl("data/prepared/test.jsonl")[:n]
     prompts = [r["prompt"] for r in rows]
     out = {}

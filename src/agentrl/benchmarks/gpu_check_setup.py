@@ -303,7 +303,7 @@ def tool_speed(n: int) -> dict:
     if torch.cuda.is_available():
         model = model.cuda()
     model.eval()
-    toolset = toolset_from_params(params.agent, tok.eos_token)
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
     kw = toolset.chat_template_kwargs() if toolset else None
     prompts = [r["prompt"] for r in load_jsonl("data/prepared/test.jsonl")[:n]]
     return tool_loop_vs_plain(model, tok, prompts, toolset, params.eval.max_new_tokens, params.eval.batch_size, kw)

@@ -99,7 +99,7 @@ def openenv_transport(params, n: int = 64, rounds: int = LOOP_ROUNDS, environmen
     from agentrl.agent.tools import toolset_from_params
     from agentrl.data import messages
     from agentrl.envs import openenv_client
-    from agentrl.envs.registry import TASKS
+    from agentrl.envs.tasks import TASKS
 
     rows = TASKS[environment].make_rows(n, random.Random(0), "test")
     prompts = [messages("", r["question"]) for r in rows]

@@ -11,7 +11,7 @@ Protocol would only test that the names exist:
   the episode (a session, a process): the loop calls it once the episode is judged (decorate it with `not_a_tool`
   for plain TRL, which would otherwise offer it as a tool). `RewardingEnvironment` adds the
   optional `get_reward`; TRL adds it as one more reward column (weight 1) when the class defines it.
-- `TaskModule`: a module under `agentrl.envs` that generates its own rows (`registry.TASKS`): the knobs under
+- `TaskModule`: a module under `agentrl.envs` that generates its own rows (`tasks.TASKS`): the knobs under
   params `environments.<name>`, the seeded generator, the instance identity that keeps test instances out of
   training, and the rule that decides "solved" (`registry.episode_solved`). `CeilingTask` and `KnobCheckingTask` add
   the optional hooks that prepare.py and config.py call when present.
@@ -19,6 +19,7 @@ Protocol would only test that the names exist:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 from types import ModuleType
@@ -46,6 +47,48 @@ class not_a_tool:  # noqa: N801 - used as a decorator, like staticmethod
 
     def __get__(self, obj, owner=None):
         return self if obj is None else self.fn.__get__(obj, owner)
+
+
+@functools.lru_cache(maxsize=256)
+def tool_names(cls: type) -> tuple[str, ...]:
+    """The names of an episode class's tools as TRL 1.16's environment_factory finds them: its public functions
+    but reset, get_reward (and close: NOT_TOOLS). Cached per class: one episode per completion makes it hot."""
+    return tuple(
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if name not in NOT_TOOLS and not name.startswith("_")
+    )
+
+
+def environment_tools(env) -> dict:
+    """An environment instance's tools (tool_names) as bound methods, by name."""
+    return {name: getattr(env, name) for name in tool_names(type(env))}
+
+
+def knob_type_error(default: Any, value: Any) -> Optional[str]:
+    """Whether a knob's value has its default's type: None when it does (or the default is None or of no plain
+    type: nothing to compare with), else "expected <type>, got <value>". bool is no number, 1.5 no int, 2 a
+    float; one rule for every environment knob (`environments.<name>`, mixture members, reasoning-gym config)."""
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "bool"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "int"
+    elif isinstance(default, float):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "float"
+    elif isinstance(default, (str, dict)):
+        ok, want = isinstance(value, type(default)), type(default).__name__
+    elif isinstance(default, (list, tuple)):
+        ok, want = isinstance(value, (list, tuple)), "list"
+    else:
+        return None
+    return None if ok else f"expected {want}, got {value!r}"
+
+
+def split_knobs(task_module, knobs: dict) -> tuple[dict, dict]:
+    """A task's knobs split into (generation knobs, runtime knobs): its GEN_DEFAULTS keys and its ENV_DEFAULTS keys
+    (the episode class's constructor arguments); others (num_train, num_test) in neither."""
+    gen = {k: v for k, v in knobs.items() if k in task_module.GEN_DEFAULTS}
+    return gen, {k: v for k, v in knobs.items() if k in task_module.ENV_DEFAULTS}
 
 
 MAKE_ROWS_PARAMETERS = ("n", "rng", "split", "env_knobs", "exclude")  # in this order, then **gen_knobs
@@ -83,7 +126,7 @@ class RewardingEnvironment(Environment, Protocol):
 
 @runtime_checkable
 class TaskModule(Protocol):
-    """A built-in task: `registry.TASKS[name]`, with `registry.ENVIRONMENTS[name]` its episode class."""
+    """A built-in task: `tasks.TASKS[name]`, with `tasks.ENVIRONMENTS[name]` its episode class."""
 
     GEN_DEFAULTS: dict  # generation knobs and their defaults; config.py checks params values against their types
     ENV_DEFAULTS: dict  # the episode class's constructor knobs and their defaults
@@ -199,11 +242,7 @@ def check_environment_class(cls: type) -> None:
         raise TypeError(f"{where}.reset: must take the row as **row (TRL passes every dataset column)")
     if "get_reward" in vars(cls) and not callable(cls.get_reward):
         raise TypeError(f"{where}.get_reward: must be a method")
-    tools = [
-        (name, fn)
-        for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if name not in NOT_TOOLS and not name.startswith("_")
-    ]
+    tools = [(name, getattr(cls, name)) for name in tool_names(cls)]
     if not tools:
         raise TypeError(f"{where}: no public tool method besides {', '.join(TRL_RESERVED)}")
     for name, fn in tools:
@@ -220,7 +259,7 @@ def check_task_module(module: ModuleType) -> None:
     """Raise TypeError naming the member `module` lacks (or has in the wrong shape) to be a TaskModule.
 
     Args:
-        module: a module registered in registry.TASKS.
+        module: a module registered in tasks.TASKS.
     """
     where = getattr(module, "__name__", repr(module))
     missing = [n for n in protocol_members(TaskModule) if not hasattr(module, n)]

@@ -25,6 +25,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from .contract import environment_tools, knob_type_error, split_knobs
+from .tasks import ENVIRONMENTS, TASKS
+
 GEN_DEFAULTS: dict = {}  # a mixture generates nothing itself: each member's task does
 ENV_DEFAULTS: dict = {
     "members": {},  # member name -> {environment: <task>, share: <float>, knobs: {...}} (runtime and generation)
@@ -49,35 +52,6 @@ class Member:
     env: dict
 
 
-def _registry() -> tuple[dict, dict]:
-    from .registry import ENVIRONMENTS, TASKS  # the registry imports this module: looked up when used
-
-    return TASKS, ENVIRONMENTS
-
-
-def _type_error(default, value) -> Optional[str]:
-    """Whether `value` has the type of the knob's default (bool is no number, 1.5 is no int), as config.py's
-    generic check of `environments.<task>` has it.
-
-    Args:
-        default: the knob's default (GEN_DEFAULTS / ENV_DEFAULTS).
-        value: the value written.
-
-    Returns:
-        None when it fits, else what was expected and what was given.
-    """
-    want = type(default)
-    if want is bool:
-        ok = isinstance(value, bool)
-    elif want is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif want is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, want)
-    return None if ok else f"expected {want.__name__}, got {value!r}"
-
-
 def _check_knobs(where: str, task: str, knobs: dict) -> None:
     """A member's knobs checked as its task's own section would be: names, types, the task's `check_knobs` and the
     runtime values its episode class accepts.
@@ -87,15 +61,14 @@ def _check_knobs(where: str, task: str, knobs: dict) -> None:
         task: the member's task (a TASKS key).
         knobs: the member's knobs as written; ValueError naming `<where>.knobs.<knob>` when one is wrong.
     """
-    tasks, environments = _registry()
-    module = tasks[task]
+    module = TASKS[task]
     defaults = {**module.GEN_DEFAULTS, **module.ENV_DEFAULTS}
     for key, value in knobs.items():
         if key in ("num_train", "num_test"):
             raise ValueError(f"{where}.knobs.{key}: set environments.mixture.{key} (the total, split by share)")
         if key not in defaults:
             raise ValueError(f"{where}.knobs.{key}: unknown knob of {task}; known: {', '.join(sorted(defaults))}")
-        if (msg := _type_error(defaults[key], value)) is not None:
+        if (msg := knob_type_error(defaults[key], value)) is not None:
             raise ValueError(f"{where}.knobs.{key}: {msg}")
     if callable(check := getattr(module, "check_knobs", None)):  # the task's own deeper checks (reasoning_gym)
         try:
@@ -105,9 +78,9 @@ def _check_knobs(where: str, task: str, knobs: dict) -> None:
             raise ValueError(
                 f"{where}.knobs{msg[len(own) :]}" if msg.startswith(own) else f"{where}.knobs: {msg}"
             ) from None
-    env = {k: v for k, v in knobs.items() if k in module.ENV_DEFAULTS}
+    gen, env = split_knobs(module, knobs)
     try:  # the runtime knobs' values, as the episode class checks them (an unknown feedback mode, a bad view)
-        environments[task](**env)
+        ENVIRONMENTS[task](**env)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}.knobs: {e}") from None
 
@@ -122,7 +95,6 @@ def _member(name, spec) -> Member:
     Returns:
         The Member; ValueError naming `environments.mixture.members.<name>.<key>` otherwise.
     """
-    tasks, _ = _registry()
     where = f"{WHERE}.{name}"
     if not isinstance(name, str) or not MEMBER_NAME.fullmatch(name):
         raise ValueError(
@@ -134,7 +106,7 @@ def _member(name, spec) -> Member:
         if key not in MEMBER_KEYS:
             raise ValueError(f"{where}.{key}: unknown key; expected {', '.join(MEMBER_KEYS)}")
     task = spec.get("environment")
-    known = sorted(t for t in tasks if t != "mixture")
+    known = sorted(TASKS)
     if task not in known:
         raise ValueError(f"{where}.environment: expected a registered task ({', '.join(known)}), got {task!r}")
     share = spec.get("share")
@@ -143,10 +115,8 @@ def _member(name, spec) -> Member:
     knobs = spec.get("knobs") or {}
     if not isinstance(knobs, dict):
         raise ValueError(f"{where}.knobs: expected a mapping of {task}'s knobs, got {knobs!r:.80}")
-    module = tasks[task]
     _check_knobs(where, task, knobs)
-    env = {k: v for k, v in knobs.items() if k in module.ENV_DEFAULTS}
-    gen = {k: v for k, v in knobs.items() if k in module.GEN_DEFAULTS}
+    gen, env = split_knobs(TASKS[task], knobs)
     return Member(name, task, float(share), gen, env)
 
 
@@ -204,11 +174,10 @@ def _task_key(task: str, key: str) -> str:
 def instance_key(row: dict) -> str:
     """The row's instance as its task sees it, prefixed with the task: two members of one task share keys, so
     an instance held out for one is not trained on by the other."""
-    tasks, _ = _registry()
     task = row.get("environment_task")
-    if task not in tasks or task == "mixture":
+    if task not in TASKS:
         raise ValueError(f"mixture row {row.get('id')!r}: 'environment_task' must name a member's task, got {task!r}")
-    return _task_key(task, tasks[task].instance_key(row))
+    return _task_key(task, TASKS[task].instance_key(row))
 
 
 def _json_kind(value) -> str:
@@ -265,7 +234,6 @@ def make_rows(
     """
     if gen_knobs:
         raise ValueError(f"mixture: unknown generation knob(s) {sorted(gen_knobs)}; the members' go under their knobs")
-    tasks, _ = _registry()
     members = parse_members((env_knobs or {}).get("members"))
     counts = split_counts(n, members)
     base = rng.getrandbits(64)
@@ -276,13 +244,13 @@ def make_rows(
         member_exclude = {k[len(prefix) :] for k in taken if k.startswith(prefix)}
         member_rng = random.Random(f"mixture:{base}:{m.name}")  # str seeds hash with sha512: stable across runs
         try:
-            rows = tasks[m.task].make_rows(
+            rows = TASKS[m.task].make_rows(
                 counts[m.name], member_rng, split, env_knobs=m.env, exclude=member_exclude, **m.gen
             )
         except ValueError as e:
             raise ValueError(f"{WHERE}.{m.name}: {e}") from None
         rows_by_member[m.name] = rows
-        taken |= {_task_key(m.task, tasks[m.task].instance_key(r)) for r in rows}
+        taken |= {_task_key(m.task, TASKS[m.task].instance_key(r)) for r in rows}
     _check_columns(rows_by_member)
     out = [{**r, "environment": m.name, "environment_task": m.task} for m in members for r in rows_by_member[m.name]]
     random.Random(f"mixture:{base}:interleave").shuffle(out)
@@ -291,11 +259,10 @@ def make_rows(
 
 def correct(row: dict, text: str, env) -> bool:
     """Solved by the row's member task's own rule (`<task>.correct`)."""
-    tasks, _ = _registry()
     task = row.get("environment_task")
-    if task not in tasks or task == "mixture":
+    if task not in TASKS:
         raise ValueError(f"mixture row {row.get('id')!r}: 'environment_task' must name a member's task, got {task!r}")
-    return bool(tasks[task].correct(row, text, env))
+    return bool(TASKS[task].correct(row, text, env))
 
 
 def ceiling(rows: list[dict], env_knobs: Optional[dict] = None, gen_knobs: Optional[dict] = None) -> dict:
@@ -309,19 +276,16 @@ def ceiling(rows: list[dict], env_knobs: Optional[dict] = None, gen_knobs: Optio
     Returns:
         member name -> its task's `ceiling(member rows, member runtime knobs, member generation knobs)`.
     """
-    tasks, _ = _registry()
     out = {}
     for m in parse_members((env_knobs or {}).get("members")):
         mine = [r for r in rows if r.get("environment") == m.name]
-        if mine and hasattr(tasks[m.task], "ceiling"):
-            out[m.name] = tasks[m.task].ceiling(mine, m.env, m.gen)
+        if mine and hasattr(TASKS[m.task], "ceiling"):
+            out[m.name] = TASKS[m.task].ceiling(mine, m.env, m.gen)
     return out
 
 
 # ----------------------------------------------------------------------------------- episodes
 def _tool_signatures(factory: Callable) -> dict[str, str]:
-    from .registry import environment_tools
-
     tools = environment_tools(factory())
     return {name: f"{inspect.signature(fn)} {inspect.getdoc(fn)}" for name, fn in tools.items()}
 
@@ -338,8 +302,7 @@ def member_factories(members, fmt: str) -> dict[str, Callable]:
         member name -> factory. ValueError when a member has more than one tool in the inline format, or when
         members' tools differ in the chat format.
     """
-    _, environments = _registry()
-    factories = {m.name: functools.partial(environments[m.task], **m.env) for m in parse_members(members)}
+    factories = {m.name: functools.partial(ENVIRONMENTS[m.task], **m.env) for m in parse_members(members)}
     signatures = {name: _tool_signatures(f) for name, f in factories.items()}
     for name, sig in signatures.items():
         if fmt == "inline" and len(sig) != 1:
@@ -373,17 +336,3 @@ def member_factory(factories: dict[str, Callable], row: Optional[dict]) -> Calla
             f"mixture row {rid!r}: 'environment' must name a member ({', '.join(factories)}), got {name!r}"
         )
     return factories[name]
-
-
-class Mixture:
-    """The registry entry of `agent.environment: mixture`. A mixture is not one environment: its episodes are
-    instances of the members' classes (`member_factories`), which is what TRL and the project's loop run."""
-
-    def __init__(self, **knobs):
-        raise ValueError(
-            "agent.environment 'mixture' has no episode class of its own: each row runs its member's "
-            "environment (envs/mixture.member_factories; tools.Toolset picks it by the row's 'environment')"
-        )
-
-    def reset(self, **row) -> None:  # the contract's shape (config and tools check for reset); never reached
-        return None

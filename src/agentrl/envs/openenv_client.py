@@ -1,4 +1,4 @@
-"""An environment served over OpenEnv (agentrl.envs.openenv_server) as a class in TRL's `environment_factory` shape
+"""An environment served over OpenEnv (agentrl.serving.openenv_server) as a class in TRL's `environment_factory` shape
 (issue 42).
 
 `remote_environment_class(url)` asks the server for its tools (openenv-core's `GenericEnvClient`) and returns a class
@@ -9,7 +9,7 @@ and reused by later resets (TRL pools its instances).
 
 Any OpenEnv server, in one of three kinds (`describe` tells them apart, in this order):
 
-  agentrl  ours (agentrl.envs.openenv_server): its `state` lists the tools with their signatures and docstrings;
+  agentrl  ours (agentrl.serving.openenv_server): its `state` lists the tools with their signatures and docstrings;
            the run's agent.environment is the one it serves, and "solved" is that environment's rule (judged there)
   mcp      it answers OpenEnv's `list_tools` action (an MCPEnvironment, e.g. OpenEnv's echo_env): each listed tool
            becomes a method, its parameters from the tool's JSON input schema, called with `call_tool`
@@ -45,7 +45,7 @@ from .contract import EnvironmentLost, not_a_tool
 
 MAX_ANNOTATION_CHARS = 200  # a served annotation is parsed: a bound keeps a hostile one from exhausting the parser
 JUDGE_TOOL = "_episode_solved"  # the server's action that answers "solved" by the environment's own rule
-FOREIGN = "openenv"  # agent.environment for a server that is not ours: whatever it serves (registry.FOREIGN)
+FOREIGN = "openenv"  # agent.environment for a server that is not ours: whatever it serves
 ACT_TOOL = "act"  # a typed-action server's one tool: the step action's fields as its arguments
 REQUEST_KEY = "agentrl_request"  # a call's number in its action's metadata; our server echoes it as `request`
 MAX_SCHEMA_BYTES = 1 << 20  # GET /schema: a bigger answer is refused
@@ -613,7 +613,7 @@ def environment_over_openenv(environment_url: str, environment: str, knobs: dict
 def spawn(
     name: str, knobs: Optional[dict] = None, timeout_s: float = STARTUP_TIMEOUT_S
 ) -> tuple[str, subprocess.Popen]:
-    """Start `python -m agentrl.envs.openenv_server` for `name` on a free 127.0.0.1 port (agent.environment_url:
+    """Start `python -m agentrl.serving.openenv_server` for `name` on a free 127.0.0.1 port (agent.environment_url:
     serve). The child exits when this process's end of its stdin closes (this process exited or died), so it never
     outlives the stage.
 
@@ -625,7 +625,7 @@ def spawn(
     Returns:
         (url, process).
     """
-    cmd = [sys.executable, "-m", "agentrl.envs.openenv_server", "--env", name, "--port", "0"]
+    cmd = [sys.executable, "-m", "agentrl.serving.openenv_server", "--env", name, "--port", "0"]
     cmd += ["--knobs", json.dumps(knobs or {}), "--exit-with-stdin"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)

@@ -54,6 +54,7 @@ import random
 from typing import Any, Iterable, Iterator, Optional
 
 from .calculator import ToolError, calculator
+from .contract import knob_type_error
 
 PINNED_VERSION = "0.1.25"  # = requirements.txt's reasoning-gym pin (see the module docstring: lineage)
 GEN_DEFAULTS: dict = {
@@ -137,26 +138,6 @@ def check_task(task: Any) -> None:
     )
 
 
-def _type_error(field: dataclasses.Field, value: Any) -> Optional[str]:
-    """What is wrong with `value`'s type for a config field with a plain default (None if nothing or unknown)."""
-    default = field.default
-    if default is dataclasses.MISSING or default is None:
-        return None  # no plain default to compare with: reasoning-gym's own validate() decides
-    if isinstance(default, bool):
-        ok, want = isinstance(value, bool), "true or false"
-    elif isinstance(default, int):
-        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif isinstance(default, float):
-        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    elif isinstance(default, str):
-        ok, want = isinstance(value, str), "a string"
-    elif isinstance(default, (list, tuple)):
-        ok, want = isinstance(value, (list, tuple)), "a list"
-    else:
-        return None
-    return None if ok else f"expected {want} (default {default!r}), got {value!r}"
-
-
 def _validate(task: str, config: dict) -> Optional[str]:
     """reasoning-gym's own verdict on `config` for `task`: None if its config dataclass accepts it, else why not."""
     config_cls = _datasets()[task][1]
@@ -187,7 +168,8 @@ def check_config(task: str, config: Any) -> None:
             raise ValueError(f"{where}.{key}: set from the run's seed and num_train/num_test, not here; known: {known}")
         if key not in fields:
             raise ValueError(f"{where}.{key}: not a config key of reasoning-gym's {task}; known: {known}")
-        problem = _type_error(fields[key], value)
+        default = fields[key].default  # a field with no plain default: reasoning-gym's own validate() decides
+        problem = None if default is dataclasses.MISSING else knob_type_error(default, value)
         if problem:
             raise ValueError(f"{where}.{key}: {problem}")
     problem = _validate(task, config)

@@ -1,45 +1,25 @@
-"""The built-in environments and tools by name: `agent.environment` looks a class up in ENVIRONMENTS (or imports
-`module:Class`, get_environment), `prepare` a task module (its generator, demonstrations and "solved" rule,
-envs/contract.py) in TASKS, and `agent.tools` a function in TOOLS. Below the params schema (config.py checks names
-against these dicts) and below the tool loop (agent/tools.py), which share with the OpenEnv server
-(envs/openenv_server.py) the two rules of calling an environment: call_tool and episode_solved.
-
-A new built-in environment is a module in this package that follows envs/contract.py, plus one line in each dict.
+"""Params to environments, in one place: `environment_spec` resolves `agent.environment` + `environments` into
+what config validation, `prepare`, the tool loop and the OpenEnv server use (the task module, its generation and
+runtime knobs, a mixture's members); the checks of names and knobs that params validation runs; the two rules of
+calling an environment that the tool loop and the OpenEnv server (serving/openenv_server.py) share: call_tool and
+episode_solved. The tables of names are envs/tasks.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import inspect
 import re
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, Optional
 
-from . import countdown, gridworld, gymnasium_toytext, mixture, reasoning_gym_tasks
-from .calculator import Calculator, ToolError, calculator
-from .contract import NOT_TOOLS
+from . import mixture
+from .calculator import Calculator, ToolError
+from .contract import knob_type_error, split_knobs
+from .openenv_client import FOREIGN
+from .tasks import ENVIRONMENTS, TASKS, TOOLS
 
-TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator}  # agent.tools names (tools.get_tool)
-
-ENVIRONMENTS: dict[str, type] = {
-    "calculator": Calculator,
-    "countdown": countdown.Countdown,
-    "gridworld": gridworld.GridWorld,
-    "gymnasium": gymnasium_toytext.GymnasiumEnv,
-    "reasoning_gym": reasoning_gym_tasks.ReasoningGym,
-    "mixture": mixture.Mixture,  # no episode class of its own: each row runs its member's (Toolset.factory_for)
-}
-# agent.environment for an OpenEnv server that is not ours (agent.environment_url): whatever it serves, its tools
-# listed over MCP or its typed step action (envs/openenv_client.py); no class here, the data is params' data.source
-FOREIGN = "openenv"
-# built-in environments that generate their own data (prepare)
-TASKS = {
-    "countdown": countdown,
-    "gridworld": gridworld,
-    "gymnasium": gymnasium_toytext,
-    "mixture": mixture,
-    "reasoning_gym": reasoning_gym_tasks,
-}
+MIXTURE = "mixture"  # agent.environment for several tasks as one run (envs/mixture.py): no episode class of its own
 
 
 # `module:function` (tools, rewards) or `module:Class` (agent.environment): checked by form when params are
@@ -50,12 +30,27 @@ IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 def check_environment_name(name: Optional[str]) -> Optional[str]:
     """agent.environment: None, a registered name or `module:Class` by form (validation imports no module; the stage
     does). ValueError listing the known names."""
-    if name is None or name in ENVIRONMENTS or name == FOREIGN or IMPORT_PATH.fullmatch(name):
+    if name is None or name in ENVIRONMENTS or name in (MIXTURE, FOREIGN) or IMPORT_PATH.fullmatch(name):
         return name
     raise ValueError(
-        f"unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} (or a custom one as 'module:Class', "
-        f"or {FOREIGN} with agent.environment_url: any OpenEnv server)"
+        f"unknown environment '{name}'; known: {', '.join(sorted([*ENVIRONMENTS, MIXTURE]))} (or a custom one as "
+        f"'module:Class', or {FOREIGN} with agent.environment_url: any OpenEnv server)"
     )
+
+
+def check_environment_url(name: Optional[str], url: Optional[str]) -> None:
+    """agent.environment_url with agent.environment: a URL plays one environment (not a mixture) over OpenEnv, and
+    the foreign environment (openenv) is a server's at a URL. ValueError saying which to set."""
+    if url and (not name or name == MIXTURE):
+        raise ValueError(
+            "agent.environment_url plays agent.environment over OpenEnv: set agent.environment (one environment, "
+            f"not a mixture; {FOREIGN}: whatever a server that is not ours serves), got {name!r}"
+        )
+    if name == FOREIGN and url in (None, "serve"):
+        raise ValueError(
+            f"agent.environment {FOREIGN} is the environment of the OpenEnv server at agent.environment_url: set "
+            f"its URL (http://host:port), got {url!r}"
+        )
 
 
 def check_tool_names(names: list[str]) -> list[str]:
@@ -70,51 +65,67 @@ def check_tool_names(names: list[str]) -> list[str]:
     return names
 
 
+def task_module(name: Optional[str]) -> Optional[ModuleType]:
+    """The module that generates an environment's rows: a built-in task's (TASKS), the mixture's, or None."""
+    return mixture if name == MIXTURE else TASKS.get(name)
+
+
 def check_environment_knobs(name: str, knobs: dict) -> None:
-    """params `environments.<name>`: a task of TASKS, num_train and num_test in 1..1,000,000, every other knob one of
-    the module's GEN_DEFAULTS / ENV_DEFAULTS with its default's type, then the module's own check_knobs when it has
-    one (envs/contract.py KnobCheckingTask). ValueError naming `<name>.<knob>` and what was expected."""
-    if name not in TASKS:
-        raise ValueError(f"unknown environment '{name}'; built-ins with knobs: {', '.join(sorted(TASKS))}")
-    defaults = {"num_train": 1, "num_test": 1, **TASKS[name].GEN_DEFAULTS, **TASKS[name].ENV_DEFAULTS}
+    """params `environments.<name>`: a task of TASKS or the mixture, num_train and num_test in 1..1,000,000, every
+    other knob one of the module's GEN_DEFAULTS / ENV_DEFAULTS with its default's type (contract.knob_type_error),
+    then the module's own check_knobs when it has one (envs/contract.py KnobCheckingTask). ValueError naming
+    `<name>.<knob>` and what was expected."""
+    module = task_module(name)
+    if module is None:
+        raise ValueError(f"unknown environment '{name}'; built-ins with knobs: {', '.join(sorted([*TASKS, MIXTURE]))}")
+    defaults = {"num_train": 1, "num_test": 1, **module.GEN_DEFAULTS, **module.ENV_DEFAULTS}
     missing = sorted({"num_train", "num_test"} - set(knobs))
     if missing:
         raise ValueError(f"{name}: missing {', '.join(missing)} (how many train / held-out instances)")
     for k, val in knobs.items():
         if k not in defaults:
             raise ValueError(f"{name}.{k}: unknown knob; known: {', '.join(sorted(defaults))}")
-        want = type(defaults[k])
-        number = isinstance(val, (int, float)) and not isinstance(val, bool)
-        ok = isinstance(val, bool) if want is bool else number if want in (int, float) else isinstance(val, want)
-        if not ok or (want is int and not isinstance(val, int)):
-            raise ValueError(f"{name}.{k}: expected {want.__name__}, got {val!r}")
+        if (msg := knob_type_error(defaults[k], val)) is not None:
+            raise ValueError(f"{name}.{k}: {msg}")
         if k in ("num_train", "num_test") and not 1 <= val <= 1_000_000:
             raise ValueError(f"{name}.{k}: must be in 1..1000000, got {val}")
-    if callable(check_knobs := getattr(TASKS[name], "check_knobs", None)):
+    if callable(check_knobs := getattr(module, "check_knobs", None)):
         check_knobs(knobs)
 
 
-@functools.lru_cache(maxsize=256)
-def _tool_names(cls: type) -> tuple[str, ...]:
-    return tuple(
-        name
-        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if name not in NOT_TOOLS and not name.startswith("_")
-    )
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """What `agent.environment` and `environments.<name>` make together (environment_spec)."""
+
+    name: Optional[str]  # agent.environment: a built-in, mixture, `module:Class`, openenv, or None (agent.tools)
+    task: Optional[ModuleType]  # the module that generates its rows (prepare), or None: the data is data.source's
+    knobs: dict  # environments.<name> as written (num_train, num_test, generation and runtime knobs)
+    gen: dict  # the generation knobs: task.make_rows(**gen)
+    env: dict  # the runtime knobs: the episode class's constructor arguments (a mixture's: {"members": ...})
+    members: tuple = ()  # a mixture's mixture.Members (each with its task, share, generation and runtime knobs)
 
 
-def environment_tools(env) -> dict[str, Callable[..., str]]:
-    """An environment's tools exactly as TRL's GRPOTrainer(environment_factory=...) finds them: the public
-    functions of its class other than `reset` and `get_reward` (and `close`: contract.NOT_TOOLS), bound to the
-    instance (the names are looked up once per class: one episode per completion makes this a hot path).
+def environment_spec(name: Optional[str], environments: Optional[dict]) -> EnvironmentSpec:
+    """Resolve `agent.environment` with params' `environments` sections: the one place that does (config
+    validation, prepare, the tool loop, the OpenEnv server). Imports no user module (a `module:Class` is imported by
+    get_environment, when a stage runs it). ValueError when a built-in that generates its rows has no section.
 
     Args:
-        env: an environment instance.
+        name: agent.environment.
+        environments: params.environments (each built-in's knobs).
 
     Returns:
-        Tool name -> bound method.
+        The EnvironmentSpec.
     """
-    return {name: getattr(env, name) for name in _tool_names(type(env))}
+    task = task_module(name)
+    if task is None:
+        return EnvironmentSpec(name, None, {}, {}, {})
+    if name not in (environments or {}):
+        raise ValueError(f"agent.environment '{name}' generates its rows from environments.{name}: add that section")
+    knobs = dict(environments[name] or {})
+    gen, env = split_knobs(task, knobs)
+    members = tuple(mixture.parse_members(knobs.get("members"))) if name == MIXTURE else ()
+    return EnvironmentSpec(name, task, knobs, gen, env, members)
 
 
 class ImportPathError(ValueError):
@@ -169,6 +180,11 @@ def get_environment(name: str) -> type:
     """
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
+    if name == MIXTURE:
+        raise ValueError(
+            f"agent.environment: {MIXTURE} has no episode class of its own: each row runs its member's "
+            "(envs/mixture.py)"
+        )
     if name == FOREIGN:
         raise ValueError(f"agent.environment: {FOREIGN} is the environment agent.environment_url serves; set that URL")
     if ":" in name:
@@ -177,7 +193,7 @@ def get_environment(name: str) -> type:
             raise ImportPathError(f"agent.environment: '{name}' is not a class with a reset(**row) method")
         return cls
     raise ValueError(
-        f"agent.environment: unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))} "
+        f"agent.environment: unknown environment '{name}'; known: {', '.join(sorted([*ENVIRONMENTS, MIXTURE]))} "
         "(or a custom one as 'module:Class')"
     )
 

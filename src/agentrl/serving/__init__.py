@@ -1,4 +1,5 @@
-"""The HTTP server over a saved model (`uvicorn agentrl.serving.app:app`; docs/serving.md).
+"""The HTTP servers: the one over a saved model (`uvicorn agentrl.serving.app:app`; docs/serving.md), and
+openenv_server.py, our environments over OpenEnv (`make env-server`; docs/environments.md).
 
   app.py           the FastAPI app: routes, the model's lifetime
   schema.py        request and response bodies

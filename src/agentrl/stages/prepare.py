@@ -27,7 +27,7 @@ from ..data import (
     test_record,
     write_jsonl,
 )
-from ..envs.registry import TASKS
+from ..envs.registry import EnvironmentSpec, environment_spec
 
 OUT_DIR = Path("data/prepared")
 METRICS = Path("metrics/prepare.json")
@@ -174,20 +174,9 @@ def tool_of(params: Params) -> str:
     return f"agent.environment {agent.environment}" if agent.environment else f"agent.tools {list(agent.tools)}"
 
 
-def environment_knobs(params: Params) -> tuple:
-    """(task module, its knobs from params.environments, the generation knobs, the GridWorld/Countdown knobs).
-
-    Args:
-        params: the run's params.
-
-    Returns:
-        The tuple.
-    """
-    task = TASKS[params.agent.environment]
-    knobs = params.environments.get(params.agent.environment) or {}
-    gen = {k: v for k, v in knobs.items() if k in task.GEN_DEFAULTS}
-    env = {k: v for k, v in knobs.items() if k in task.ENV_DEFAULTS}
-    return task, knobs, gen, env
+def environment(params: Params) -> EnvironmentSpec:
+    """agent.environment resolved with its knobs (registry.environment_spec)."""
+    return environment_spec(params.agent.environment, params.environments)
 
 
 def environment_rows(params: Params) -> tuple[list[dict], list[dict]]:
@@ -201,11 +190,11 @@ def environment_rows(params: Params) -> tuple[list[dict], list[dict]]:
     Returns:
         (train rows, test rows).
     """
-    task, knobs, gen, env = environment_knobs(params)
-    rng = random.Random(params.seed)
-    test = task.make_rows(knobs["num_test"], rng, "test", env_knobs=env, **gen)
+    spec = environment(params)
+    task, rng = spec.task, random.Random(params.seed)
+    test = task.make_rows(spec.knobs["num_test"], rng, "test", env_knobs=spec.env, **spec.gen)
     seen = {task.instance_key(r) for r in test}
-    train = task.make_rows(knobs["num_train"], rng, "train", env_knobs=env, exclude=seen, **gen)
+    train = task.make_rows(spec.knobs["num_train"], rng, "train", env_knobs=spec.env, exclude=seen, **spec.gen)
     return train, test
 
 
@@ -218,7 +207,7 @@ def environment_overlap(params: Params, train: list[dict], test: list[dict]) -> 
     the prompt hides the instance, e.g. FrozenLake's hidden map), whose instance (the task's instance_key: the
     initial state) is also a training row's, and how many distinct instances the test rows hold. Instances in
     both splits are refused (TestOverlapError naming the first) unless data.allow_test_overlap."""
-    task = TASKS[params.agent.environment]
+    task = environment(params).task
     train_prompts = {" ".join(r["question"].split()) for r in train}
     train_keys = {task.instance_key(r) for r in train}
     test_keys = [task.instance_key(r) for r in test]
@@ -289,9 +278,9 @@ def prepare_environment(params: Params, out_dir: Path, metrics_path: Path) -> di
         "demo_calls_per_example": round(sum(calls) / len(calls), 4) if calls else 0.0,
         "demo_failed_try_share": round(sum(c > 1 for c in calls) / len(calls), 4) if calls else 0.0,
     }
-    task, _, gen, env = environment_knobs(params)
-    if hasattr(task, "ceiling"):  # what any policy can reach on the test rows (gridworld: slips end episodes)
-        metrics["test_ceiling"] = task.ceiling(test, env, gen)
+    spec = environment(params)
+    if hasattr(spec.task, "ceiling"):  # what any policy can reach on the test rows (gridworld: slips end episodes)
+        metrics["test_ceiling"] = spec.task.ceiling(test, spec.env, spec.gen)
         log.info("environment %s: test ceiling %s", name, metrics["test_ceiling"])
     # the generator package's version: the rows' lineage, on record (a mixture: its reasoning-gym member's rows)
     if version := next((r["reasoning_gym_version"] for r in test if "reasoning_gym_version" in r), None):
@@ -313,7 +302,7 @@ def prepare(params: Params, out_dir: Path = OUT_DIR, metrics_path: Path = METRIC
     Returns:
         The metrics written. BadRowsError naming the rows when data.on_bad_rows is error.
     """
-    if params.agent.environment in TASKS:
+    if environment(params).task is not None:
         return prepare_environment(params, out_dir, metrics_path)
     data = params.data
     log.info("source=%s on_bad_rows=%s", data.source, data.on_bad_rows)
@@ -385,13 +374,13 @@ def check_environment_server(params: Params) -> None:
     """agent.environment_url (a URL): the server's kind detected and its tools checked before any stage trains
     (envs/openenv_client.py: ours, MCP tools or a typed step action); OpenEnvError in one line naming the URL and
     what the server lacks, or which agent.environment it needs."""
+    from ..envs.contract import environment_tools
     from ..envs.openenv_client import remote_environment_class
-    from ..envs.registry import environment_tools
 
     agent = params.agent
     if agent.environment_url in (None, "serve"):
         return
-    runtime = environment_knobs(params)[3] if agent.environment in TASKS else {}  # the knobs the server must run
+    runtime = environment(params).env  # the knobs the server must run
     served = remote_environment_class(agent.environment_url, agent.environment, runtime, agent.tool_timeout_s)
     names = ", ".join(environment_tools(served()))  # an instance opens no session until its reset
     log.info("agent.environment_url %s: server kind %s, tools %s", agent.environment_url, served.kind, names)

@@ -1,7 +1,8 @@
-"""Any registered environment served over OpenEnv (issue 42): `python -m agentrl.envs.openenv_server --env countdown`.
+"""Any registered environment served over OpenEnv (issue 42):
+`python -m agentrl.serving.openenv_server --env countdown`.
 
 The app is openenv-core's own `create_app` around `ServedEnvironment`, which wraps one instance of an environment in
-TRL's `environment_factory` shape (registry.ENVIRONMENTS or `module:Class`) per WebSocket session:
+TRL's `environment_factory` shape (envs/tasks.py ENVIRONMENTS or `module:Class`) per WebSocket session:
 
   reset   the row goes in reset's kwargs (`{"type": "reset", "data": row}`); the observation's `text` is what the
           environment's reset returned (null when it returned None, as TRL's loop needs to know)
@@ -44,8 +45,10 @@ from openenv.core.env_server.mcp_types import (
 )
 from openenv.core.env_server.types import Observation, State
 
+from ..envs.contract import environment_tools
+from ..envs.openenv_client import JUDGE_TOOL, MAX_MESSAGE_BYTES, REQUEST_KEY
+from ..envs.registry import call_tool, environment_spec, episode_solved, get_environment
 from ..http_limits import HeaderDeadline
-from .openenv_client import JUDGE_TOOL, MAX_MESSAGE_BYTES, REQUEST_KEY
 
 MAX_TOOL_NAME_CHARS = 64
 MAX_ACTION_CHARS = 8192  # a step's arguments as JSON: bigger is an error observation (no tool takes more)
@@ -69,25 +72,6 @@ class ToolCallObservation(CallToolObservation):
     text: Optional[str] = None
     solved: Optional[bool] = None
     request: Optional[int] = None
-
-
-def environment_knobs(name: str, env_params: Optional[dict]) -> dict:
-    """The constructor knobs `params.environments.<name>` gives a built-in environment (its runtime knobs, the
-    module's ENV_DEFAULTS keys; generation knobs stay with `prepare`), as tools.toolset_from_params passes them.
-
-    Args:
-        name: an agent.environment value.
-        env_params: params.environments (or None).
-
-    Returns:
-        The keyword arguments for the environment class ({} for a non-task environment).
-    """
-    from .registry import TASKS
-
-    if name not in TASKS:
-        return {}
-    knobs = (env_params or {}).get(name) or {}
-    return {k: v for k, v in knobs.items() if k in TASKS[name].ENV_DEFAULTS}
 
 
 def _annotation_text(annotation) -> Optional[str]:
@@ -146,8 +130,6 @@ class ServedEnvironment(Environment):
     SUPPORTS_CONCURRENT_SESSIONS = True  # every session has its own instance; nothing is shared
 
     def __init__(self, name: str, knobs: dict):
-        from .registry import environment_tools, get_environment
-
         super().__init__()
         self.name, self.knobs = name, dict(knobs)
         self.env = get_environment(name)(**self.knobs)
@@ -176,8 +158,6 @@ class ServedEnvironment(Environment):
         """One tool call; every failure is an `error: ...` observation, as tools.Episode answers it in-process. A call
         with no episode (no reset yet, or the last one failed) is refused with 409; listing the tools needs none."""
         from fastapi import HTTPException
-
-        from .registry import call_tool, episode_solved
 
         if isinstance(action, ListToolsAction):
             return ListToolsObservation(tools=self._mcp_tools(), reward=None, done=False)
@@ -256,7 +236,7 @@ def build_app(name: str, knobs: Optional[dict] = None, max_sessions: int = MAX_S
     environment is built once here so that a bad name or knob fails at start, not at the first session.
 
     Args:
-        name: a registry name (registry.ENVIRONMENTS) or `module:Class`.
+        name: a registry name (envs/tasks.py ENVIRONMENTS) or `module:Class`.
         knobs: the class's constructor keyword arguments.
         max_sessions: concurrent WebSocket sessions (episodes) at most.
 
@@ -429,7 +409,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             env_params = (yaml.safe_load(f) or {}).get("environments")
         if not isinstance(env_params, dict):
             ap.error(f"--params {args.params}: no 'environments' section (a mapping of environment -> knobs)")
-        knobs = environment_knobs(args.env, env_params)
+        try:  # the runtime knobs, as the tool loop gives them (registry.environment_spec)
+            knobs = environment_spec(args.env, env_params).env
+        except ValueError as error:
+            ap.error(f"--params {args.params}: {error}")
     app = build_app(args.env, knobs)
     sock = _listening_socket(args.host, args.port)
     print(f"http://{args.host}:{sock.getsockname()[1]}", flush=True)
