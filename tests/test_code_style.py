@@ -1,7 +1,8 @@
 """Code a person reads in one sitting (issue 43): no function in src/agentrl over MAX_FUNCTION_LINES lines unless
 its docstring says why ("Long because ..."), and no module-level def or class that shadows a Python builtin (a
-reward called `format` hid the builtin inside its module). Each checker is also run on a planted file, so a checker
-that finds nothing cannot pass unnoticed."""
+reward called `format` hid the builtin inside its module), and a docstring on every public module-level function
+(issue 54: what it is for, not Args/Returns sections that repeat the signature; none is demanded). Each checker is
+also run on a planted file, so a checker that finds nothing cannot pass unnoticed."""
 
 from __future__ import annotations
 
@@ -57,6 +58,17 @@ def shadowed_builtins(paths: list[Path]) -> list[str]:
     return found
 
 
+def undocumented_functions(paths: list[Path]) -> list[str]:
+    """Public module-level functions (no leading underscore) without a docstring, as "path:line name"."""
+    found = []
+    for path in paths:
+        for node in ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                if not ast.get_docstring(node):
+                    found.append(f"{path}:{node.lineno} {node.name}")
+    return found
+
+
 def test_the_package_is_checked():
     paths = _python_files(SRC)
     assert len(paths) > 30 and SRC / "agent" / "rewards.py" in paths, paths
@@ -97,3 +109,17 @@ def test_builtin_shadowing_checker_finds_a_planted_one(tmp_path):
         encoding="utf-8",
     )
     assert shadowed_builtins([planted]) == [f"{planted}:1 format", f"{planted}:5 filter"]
+
+
+def test_every_public_function_says_what_it_is_for():
+    found = undocumented_functions(_python_files(SRC))
+    assert not found, "public functions without a docstring:\n" + "\n".join(found)
+
+
+def test_docstring_checker_finds_a_planted_one(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        'def bare(x):\n    return x\n\n\ndef _private(x):\n    return x\n\n\ndef said(x):\n    """Why."""\n',
+        encoding="utf-8",
+    )
+    assert undocumented_functions([planted]) == [f"{planted}:1 bare"]

@@ -68,4 +68,5 @@ def answers_match(pred: Optional[str], truth: Optional[str], rel_tol: float = 1e
 
 
 def strip_calculator_annotations(text: str) -> str:
+    """The text without its GSM8K `<<a*b=c>>` calculator annotations."""
     return _CALC.sub("", text)

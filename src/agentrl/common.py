@@ -29,10 +29,12 @@ def get_logger(stage: str) -> logging.Logger:
 
 
 def is_main_process() -> bool:
+    """Whether this is rank 0 of a distributed launch (or the only process)."""
     return int(os.environ.get("RANK", "0")) == 0
 
 
 def world_size() -> int:
+    """The launch's number of processes (WORLD_SIZE, 1 outside a distributed launch)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -58,6 +60,7 @@ def write_json(path: str | Path, data: Any) -> None:
 
 
 def read_json(path: str | Path) -> Any:
+    """The JSON value in a file."""
     return json.loads(Path(path).read_text())
 
 
@@ -179,10 +182,12 @@ def precision_kwargs(precision: str) -> dict:
 
 
 def torch_dtype(precision: str) -> torch.dtype:
+    """The torch dtype of a model.precision value (auto resolved for this machine)."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[resolve_precision(precision)]
 
 
 def file_sha256(path: str | Path) -> str:
+    """A file's sha256, read in chunks."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -273,9 +278,6 @@ def _torch_file_problem(path: Path) -> Optional[str]:
 def file_problem(path: Path) -> Optional[str]:
     """Why a checkpoint file is not whole, judged by its format (.safetensors, torch.save's .pt/.pth/.bin,
     .json), or None; a file of another kind counts when it exists.
-
-    Args:
-        path: the file.
 
     Returns:
         "<name> <what is wrong>", or None.

@@ -364,6 +364,7 @@ def _describe(err: dict[str, Any]) -> str:
 
 
 def validate_params(raw: Any, source: str = PARAMS_FILE) -> Params:
+    """params checked section by section; ParamsError naming every offending key path (`source` names the file)."""
     if not isinstance(raw, dict):
         raise ParamsError(f"{source}: expected a mapping of sections, got {type(raw).__name__}")
     lines, params = [], None
@@ -422,6 +423,7 @@ def load_yaml(path: str | Path) -> Any:
 
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
+    """params.yaml read strictly and validated, and its `reproducibility` applied to this process's kernels."""
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: file not found (run from the repository root)")
@@ -435,20 +437,6 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
     if "torch" in sys.modules:
         verify(params.reproducibility.mode)
     return params
-
-
-def check_imports(params: Params) -> None:
-    """Import every `module:attr` that params name (agent.tools, agent.environment, grpo.rewards): ImportPathError
-    naming the key when one does not import. Validation imports nothing (an agent's params are checked without
-    running code, docs/security.md); the stages call this first, so a typo stops them before any model or data."""
-    from .envs.registry import import_path
-
-    named = [("agent.tools: cannot import custom tool", name) for name in params.agent.tools]
-    named += [("agent.environment: cannot import", params.agent.environment)]
-    named += [("grpo.rewards: cannot import custom reward", name) for name in params.grpo.rewards]
-    for what, name in named:
-        if isinstance(name, str) and ":" in name:
-            import_path(name, what)
 
 
 def load_params_or_exit(path: str | Path = PARAMS_FILE) -> Params:

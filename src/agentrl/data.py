@@ -217,6 +217,8 @@ def generate_synthetic(
 # ---------------------------------------------------------------------------- parsing, checks
 @dataclass
 class RawRow:
+    """One row as read, with where it came from (for errors naming the file and line)."""
+
     source: str  # file or dataset name
     line: int  # 1-based line / row number in source
     data: object
@@ -224,6 +226,8 @@ class RawRow:
 
 @dataclass
 class Example:
+    """One checked problem: question, reasoning (with any calculator annotations) and final answer."""
+
     id: str
     question: str
     reasoning: str
@@ -236,6 +240,8 @@ class Example:
 
 @dataclass
 class BadRow:
+    """A row refused by the checks, with the file, line and reason."""
+
     source: str
     line: int
     reason: str
@@ -247,11 +253,14 @@ class BadRow:
 
 @dataclass
 class CheckResult:
+    """The rows the checks kept and those they refused."""
+
     examples: list[Example] = field(default_factory=list)
     bad: list[BadRow] = field(default_factory=list)
 
 
 def stable_id(split: str, question: str) -> str:
+    """An id from the split and the question's text: the same problem keeps its id across runs."""
     return f"{split}-{hashlib.sha1(question.strip().encode()).hexdigest()[:12]}"
 
 
@@ -271,7 +280,6 @@ def _bounded_lines(stream, max_bytes: int) -> Iterator[tuple[int, bytes | None]]
     line is ever held whole in memory.
 
     Args:
-        stream: a file opened in binary mode.
         max_bytes: the longest line returned, newline included.
 
     Returns:
@@ -298,9 +306,7 @@ def _json_row(text: str, source: str, line: int) -> object:
     decoder, an integer over Python's digit limit): no line can stop prepare past data.on_bad_rows.
 
     Args:
-        text: the line.
         source: the file, as a BadRow names it.
-        line: its 1-based line number.
 
     Returns:
         The decoded value, or a BadRow (invalid_json) naming file, line and what is wrong.
@@ -322,7 +328,6 @@ def read_jsonl(path: str | Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator
     (data.on_bad_rows decides whether it stops prepare).
 
     Args:
-        path: the jsonl file.
         max_row_bytes: the longest line accepted, in bytes; longer ones are never read whole.
 
     Returns:
@@ -423,6 +428,7 @@ def check_rows(
 
 
 def normalized_questions(examples: Iterable[Example]) -> set[str]:
+    """The questions lower-cased with whitespace collapsed (train/test overlap is checked on these)."""
     return {" ".join(e.question.lower().split()) for e in examples}
 
 
@@ -436,15 +442,18 @@ def seeded_subset(examples: list[Example], count: Optional[int], seed: int) -> l
 
 # ---------------------------------------------------------------------------------- outputs
 def messages(system_prompt: str, question: str) -> list[dict]:
+    """The chat prompt: the system prompt (when set) and the question."""
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return msgs + [{"role": "user", "content": question}]
 
 
 def completion_text(ex: Example) -> str:
+    """The demonstration's completion: its reasoning, then `#### <answer>`."""
     return f"{ex.reasoning}\n#### {ex.final}" if ex.reasoning else f"#### {ex.final}"
 
 
 def sft_record(ex: Example, system_prompt: str) -> dict:
+    """An SFT row (TRL's prompt/completion format)."""
     return {
         "id": ex.id,
         "prompt": messages(system_prompt, ex.question),
@@ -453,10 +462,12 @@ def sft_record(ex: Example, system_prompt: str) -> dict:
 
 
 def rl_record(ex: Example, system_prompt: str) -> dict:
+    """A GRPO row: the prompt and the ground truth the rewards compare with."""
     return {"id": ex.id, "prompt": messages(system_prompt, ex.question), "ground_truth": ex.final}
 
 
 def test_record(ex: Example, system_prompt: str) -> dict:
+    """A held-out row: what evaluation needs, the reference answer included."""
     return {
         "id": ex.id,
         "question": ex.question,
@@ -479,5 +490,6 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
 
 
 def load_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a JSONL file (blank lines skipped)."""
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

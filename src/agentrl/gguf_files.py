@@ -73,6 +73,7 @@ def locate(base_model: str) -> Path:
 
 
 def sha256(path: Path) -> str:
+    """A file's sha256, read in chunks (the pin a GGUF base model is checked against)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

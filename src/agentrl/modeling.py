@@ -93,6 +93,7 @@ def wrap_tokenizer(tok) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, tiny: TinyModelParams, seed: int) -> Qwen3ForCausalLM:
+    """The default model: a Qwen3-architecture model of `tiny`'s shape, initialised from `seed`."""
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -174,6 +175,7 @@ def _zero3_gathered(model):
 
 
 def is_adapter(path: str | Path) -> bool:
+    """Whether a saved model folder holds a LoRA adapter (not whole weights)."""
     return (Path(path) / "adapter_config.json").exists()
 
 

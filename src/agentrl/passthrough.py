@@ -82,6 +82,7 @@ DERIVED = {
 
 
 def passthrough_class(path: str) -> type:
+    """The TRL/PEFT class a pass-through section builds (imported on first use)."""
     import importlib
 
     module, name = PASSTHROUGH[path]

@@ -108,6 +108,7 @@ def apply(mode: str, threads: int, environ: Optional[dict] = None) -> dict:
 
 
 def pinned_keys() -> tuple[str, ...]:
+    """The environment variables the portable mode sets."""
     return (*PORTABLE_ENV, *THREAD_ENV)
 
 

@@ -129,9 +129,6 @@ def check_model_fits(model) -> None:
     """ValueError when the model's estimated memory exceeds all the machine has (RAM, plus the GPUs' memory when
     there are GPUs): model.tiny trained in fp32 with AdamW, or a hub/local model's weights in the training dtype
     (precision auto: fp32 without a GPU, bf16 with one). A size not knowable offline is not checked.
-
-    Args:
-        model: the model section of params.
     """
     if _allow_large_model():
         return

@@ -42,6 +42,7 @@ _degraded: Optional[str] = None  # why this process runs W&B offline although on
 
 
 def git_commit() -> str:
+    """The checked-out commit, or 'unknown' outside git."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -154,6 +155,7 @@ def redact(obj: Any) -> Any:
 
 
 def wandb_config(params: Params) -> dict:
+    """The run's params and commit for W&B, secrets redacted."""
     return redact({**params.model_dump(mode="json"), "git_commit": git_commit()})
 
 

@@ -574,7 +574,6 @@ def generate_with_tools(
         max_new_tokens: the completion budget, tool tokens included: one int, or one per prompt.
         batch_size: prompts per generate call.
         temperature: sampling temperature; 0 is greedy.
-        top_p: nucleus sampling.
         top_k: top-k sampling (0: off).
         num_samples: completions per prompt.
         seed: torch's seed before sampling (None: left as it is).
@@ -640,11 +639,9 @@ def tokenize_trace(
     segment exactly as `generate_with_tools` produces them: {prompt_ids, completion_ids, env_mask}.
 
     Args:
-        tokenizer: the policy's tokenizer.
         prompt: the prompt: a rendered string or chat messages.
         segments: the completion as (text, is_model_text) pieces.
         eos: end the completion with the eos token.
-        chat_template_kwargs: extra arguments of apply_chat_template.
 
     Returns:
         {prompt_ids, completion_ids, env_mask}, env_mask 1 on the model's tokens and 0 on tool tokens.
@@ -698,7 +695,6 @@ def sft_features(tokenizer, prompt, completion: str, toolset: Optional[Toolset],
     the policy reads in training are exactly what the environment answers.
 
     Args:
-        tokenizer: the policy's tokenizer.
         prompt: the prompt (chat messages or a rendered string).
         completion: the demonstration, with `<<expr=result>>` annotations where it calls a tool.
         toolset: the tools and call format, or None (the text is all model text).

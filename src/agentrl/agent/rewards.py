@@ -27,14 +27,7 @@ def _text(completion) -> str:
 
 
 def count_steps(text: str) -> int:
-    """Reasoning steps = lines before the answer line that contain an arithmetic result.
-
-    Args:
-        text: a completion.
-
-    Returns:
-        The number of such lines.
-    """
+    """Reasoning steps = lines before the answer line that contain an arithmetic result."""
     body = text.split("####")[0]
     return sum(1 for line in body.splitlines() if re.search(r"=\s*-?\d", line))
 
@@ -109,7 +102,6 @@ def length_penalty(completions, length_max: int = 96, length_weight: float = 0.5
 
     Args:
         completions: the completions (strings or chat messages).
-        length_max: the characters allowed without penalty.
         length_weight: the penalty at twice `length_max`.
         **kwargs: other columns, ignored.
 
@@ -128,9 +120,7 @@ def step(completions, ground_truth, step_bonus: float = 0.1, step_cap: float = 0
 
     Args:
         completions: the completions (strings or chat messages).
-        ground_truth: the rows' answers.
         step_bonus: the bonus per reasoning step (rewards.count_steps).
-        step_cap: the largest bonus.
         **kwargs: other columns, ignored.
 
     Returns:

@@ -342,9 +342,6 @@ class Toolset:
 
         Args:
             row: the dataset row the environment is reset with (None: an empty reset).
-
-        Returns:
-            The Episode.
         """
         return Episode(self, row)
 
@@ -355,9 +352,6 @@ class Toolset:
 
     def run(self, call: Call) -> tuple[str, bool]:
         """A call in a row-less episode shared by all callers (stateless tools: the calculator).
-
-        Args:
-            call: the parsed call.
 
         Returns:
             (result text, ok).
@@ -374,7 +368,6 @@ def toolset_from_params(agent, eos_token: str = "<|im_end|>", env_params: Option
     `env_params` (params.environments) gives a built-in environment its runtime knobs (registry.environment_spec).
 
     Args:
-        agent: the agent params section.
         eos_token: the tokenizer's end-of-turn token (the chat format ends a call's turn with it).
         env_params: params.environments: each built-in environment's knobs.
 

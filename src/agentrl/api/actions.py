@@ -225,6 +225,7 @@ def _exp_rows(root: Path) -> list[dict]:
 
 
 def experiment_names(root: Path) -> list[str]:
+    """The names of the repository's DVC experiments (`dvc exp show`)."""
     return [r["Experiment"] for r in _exp_rows(root) if r.get("Experiment")]
 
 
@@ -357,6 +358,8 @@ def _check_name_free(repo: Path, name: str) -> None:
 
 
 def run_experiment(args: dict, root: Optional[str | Path] = None, progress: Progress = None) -> dict:
+    """Action `run_experiment`: overrides checked and validated, then one `dvc exp run` in the mode asked (temp, queue
+    or workspace); returns the experiment's metrics, or APIError naming what was refused."""
     check_known(args, ARGUMENTS["run_experiment"])
     repo = _root(root)
     overrides = require(args, "overrides", dict, {}, 'an object {"dotted.key": value}')
@@ -462,6 +465,7 @@ def _check_params_reached(root: Path, rev: Optional[str], params: dict, name: st
 
 # --------------------------------------------------------------------------------------- reading
 def describe(args: dict, root: Optional[str | Path] = None) -> dict:
+    """Action `describe`: the params with their JSON schema, the stages, the current metrics and the actions."""
     check_known(args, ARGUMENTS["describe"])
     repo = _root(root)
     params = read_params(repo)
@@ -476,6 +480,7 @@ def describe(args: dict, root: Optional[str | Path] = None) -> dict:
 
 
 def list_experiments(args: dict, root: Optional[str | Path] = None) -> dict:
+    """Action `list_experiments`: the experiments with their params and headline metrics."""
     check_known(args, ARGUMENTS["list_experiments"])
     repo = _root(root)
     import dvc.api
@@ -632,6 +637,7 @@ def _eval_worker(args: dict) -> dict:
 
 
 def status(args: dict, root: Optional[str | Path] = None) -> dict:
+    """Action `status`: the runs an agent started here, whether each still runs, and for how long."""
     check_known(args, ARGUMENTS["status"])
     repo = _root(root)
     runs = []
@@ -708,6 +714,8 @@ def call(
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m agentrl.api.actions ACTION JSON`: one action, its answer as JSON on stdout (also the evaluation
+    worker's entry point)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "_eval_worker":
         print(json.dumps(_eval_worker(json.loads(argv[1]))))

@@ -39,6 +39,8 @@ MAX_OVERRIDES = 256
 
 
 def require(args: dict, key: str, typ: type | tuple, default: Any = ..., what: str = "") -> Any:
+    """`args[key]` of type `typ` (`default` when absent; ... = required), else APIError naming the key and `what` was
+    expected."""
     if key not in args or args[key] is None:
         if default is ...:
             raise APIError("missing_argument", f"'{key}' is required{': ' + what if what else ''}", key=key)
@@ -51,6 +53,7 @@ def require(args: dict, key: str, typ: type | tuple, default: Any = ..., what: s
 
 
 def check_known(args: dict, allowed: set[str]) -> None:
+    """APIError naming the first argument not in `allowed`."""
     for k in args:
         if k not in allowed:
             raise APIError("unknown_argument", f"unknown argument '{k}'; expected one of {sorted(allowed)}", key=k)
@@ -85,9 +88,6 @@ def check_experiment_name(name: str) -> None:
     """Refuse a name that is not a plain experiment name (experiments.queue.experiment_name_problem: git's ref
     rules, no revision syntax, not a name git itself resolves). Names of existing branches and tags are checked
     against the repository (api/actions.py).
-
-    Args:
-        name: the experiment name the caller gave.
     """
     why = experiment_name_problem(name)
     if why:

@@ -90,10 +90,14 @@ class _Strict(BaseModel):
 
 
 class DescribeArgs(_Strict):
+    """`describe` takes no argument."""
+
     pass
 
 
 class RunExperimentArgs(_Strict):
+    """`run_experiment`'s arguments."""
+
     overrides: dict[str, Any] = Field(
         default={}, description='params overrides, dotted keys: {"seed": 7, "eval.batch_size": 16}'
     )
@@ -107,22 +111,30 @@ class RunExperimentArgs(_Strict):
 
 
 class ListExperimentsArgs(_Strict):
+    """`list_experiments`'s arguments."""
+
     all_commits: bool = Field(default=False, description="include experiments of earlier commits")
 
 
 class CompareArgs(_Strict):
+    """`compare`'s arguments: the paired test of two experiments' predictions."""
+
     a: str = Field(description="the 'before' experiment")
     b: str = Field(description="the 'after' experiment")
     stage: Literal[actions.EVAL_STAGES] = Field(default="grpo", description="which model's predictions to pair")
 
 
 class EvaluateArgs(_Strict):
+    """`evaluate`'s arguments."""
+
     experiment: str = Field(default="workspace", description="experiment name, git revision or 'workspace'")
     stage: Literal[actions.EVAL_STAGES] = Field(default="grpo", description="which model")
     n: int = Field(default=50, ge=1, description="number of held-out problems")
 
 
 class StatusArgs(_Strict):
+    """`status` takes no argument."""
+
     pass
 
 
@@ -244,6 +256,7 @@ async def serve_stdio() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """`python -m agentrl.api.mcp_server [--repo R]` (`make mcp`): the MCP server on stdio."""
     global ROOT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", default=os.environ.get("AGENTRL_REPO"), help="pipeline repository (default: cwd)")

@@ -47,7 +47,6 @@ def _sft_figures(params, repeats: int) -> dict:
     """SFT step times with params.yaml's config and with TRL's defaults, each paired with a plain loop.
 
     Args:
-        params: the validated params.
         repeats: runs of each.
 
     Returns:
@@ -81,8 +80,6 @@ def _eval_stage_figures(params, n: int, stage: str, repeats: int) -> dict:
     (loop.PRUNE_SHARE 2.0: ended rows never leave the batch).
 
     Args:
-        params: the validated params.
-        n: held-out problems.
         stage: "sft" or "grpo".
         repeats: runs of each.
 
@@ -192,10 +189,8 @@ def bench_results(params, repeats: int, repro_repeats: int, skip_dvc: bool, n: i
     """Every figure of `make bench`.
 
     Args:
-        params: the validated params.
         repeats: runs of each figure.
         repro_repeats: runs of the GRPO-change and full repros.
-        skip_dvc: leave out the dvc timings.
         n: held-out problems for the evaluation and the tool loop.
 
     Returns:
@@ -307,7 +302,6 @@ def _with_mfu_columns(lines: list[str], res: dict) -> list[str]:
 
     Args:
         lines: table rows ("| label | value | how |") and, after the table, text lines (left as they are).
-        res: bench_results' dict.
 
     Returns:
         The lines, each row with two more cells.

@@ -111,12 +111,7 @@ def chat_loops_speed(params, steps: int = CHAT_STEPS, warmup: int = CHAT_WARMUP)
     pipeline's) it gets Qwen3's in memory, as the base stage gives a chat-format pipeline's tokenizer.
 
     Args:
-        params: the validated params.
         steps: optimizer steps per side.
-        warmup: leading steps left out.
-
-    Returns:
-        chat_loops_side_by_side's dict.
     """
     from trl.chat_template_utils import qwen3_chat_template, supports_tool_calling
 
@@ -161,9 +156,7 @@ def tools_results(params, repeats: int, n: int) -> dict:
     paired rounds).
 
     Args:
-        params: the validated params.
         repeats: runs of each figure.
-        n: held-out problems for the tool loop.
 
     Returns:
         What metrics/bench_tools.json holds.
@@ -253,14 +246,7 @@ def _chat_and_transport_rows(res: dict) -> list[str]:
 
 
 def _chat_footnote(chat: dict) -> str:
-    """The paragraph under the table: prompt length and each run's tool calls per completion in the chat format.
-
-    Args:
-        chat: tools_results' "chat_grpo".
-
-    Returns:
-        One line.
-    """
+    """The paragraph under the table: prompt length and each run's tool calls per completion in the chat format."""
     calls = {side: ", ".join(f"{x:.2f}" for x in chat[side]["tool_calls_per_completion"]) for side in ("ours", "trl")}
     no_calls = not any(x for side in ("ours", "trl") for x in chat[side]["tool_calls_per_completion"])
     return (
@@ -281,9 +267,7 @@ def tools_only(params, repeats: int, n: int) -> None:
     stdout.
 
     Args:
-        params: the validated params.
         repeats: runs of each figure.
-        n: held-out problems for the tool loop.
     """
     res = tools_results(params, repeats, n)
     write_json("metrics/bench_tools.json", res)

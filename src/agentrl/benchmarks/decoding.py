@@ -64,7 +64,6 @@ def tool_loop_vs_plain(
 
     Args:
         model, tok: the policy and its tokenizer.
-        prompts: message lists.
         toolset: the loop's tools (agent.tools.toolset_from_params), or None.
         max_new: max new tokens per completion.
         batch_size: prompts per batch on both sides.
@@ -119,8 +118,6 @@ def bare_greedy_decode(model, input_ids, attention_mask, n: int) -> torch.Tensor
     as `generate` computes them. Nothing stops early.
 
     Args:
-        model: a causal LM.
-        input_ids, attention_mask: a left-padded batch.
         n: new tokens per row.
 
     Returns:
@@ -145,7 +142,6 @@ def decode_ceiling(model, tok, prompts: list, max_new: int, batch_size: int, tem
 
     Args:
         model, tok: the policy and its tokenizer.
-        prompts: message lists.
         max_new: tokens decoded per prompt.
         batch_size: prompts per batch.
         template_kwargs: extra chat-template arguments, or None.
@@ -175,8 +171,6 @@ def tool_loop_speed(params, n: int, stage: str = "grpo", ceiling: bool = False) 
     `model.generate` on the first `n` held-out prompts, params.eval's batch size and max_new_tokens.
 
     Args:
-        params: the validated params.
-        n: held-out problems.
         stage: whose saved policy (modeling.load_policy).
         ceiling: also decode_ceiling on the same model, prompts and sizes, and both loops' tokens/s as fractions
             of it.
@@ -204,11 +198,6 @@ def tool_loop_speed(params, n: int, stage: str = "grpo", ceiling: bool = False) 
 
 def eval_speed(params, n: int, stage: str) -> dict:
     """Problems/s of the evaluation's generate on `stage`'s model: batched (eval.batch_size) vs one at a time.
-
-    Args:
-        params: the validated params.
-        n: held-out problems.
-        stage: whose saved policy.
 
     Returns:
         {"batched": ..., "per_sample": ...}, each with problems_per_second, accuracy, mean_completion_tokens.

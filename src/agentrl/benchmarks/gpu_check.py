@@ -114,9 +114,6 @@ class Check:
 
         Args:
             overrides: dotted key -> value, or None.
-
-        Returns:
-            The params tree.
         """
         import copy
 
@@ -143,9 +140,6 @@ class Check:
 
         Args:
             name: the metrics file's name without .json (e.g. "sft_train", "gpu_check_stand_in").
-
-        Returns:
-            The metrics.
         """
         from agentrl.common import diagnostics_path, read_metrics
 
@@ -158,7 +152,6 @@ class Check:
         """Record one row of the table and print it.
 
         Args:
-            path: the row's name.
             status: "ok", "fail" or "skipped".
             seconds: its wall time, or None.
             tps: its tokens/s, or None.
@@ -178,13 +171,10 @@ class Check:
         its metrics into (tokens/s, note). Never raises.
 
         Args:
-            path: the row's name.
-            cmd: the command.
             timeout: its own limit in seconds (the budget left may cut it).
             needs: rows that must be "ok" first (else this one is skipped).
             skip: a reason to skip it, or None.
             overrides: the row's params overrides (write_params).
-            clean: scratch-copy directories removed first.
             after: returns (tokens/s, note) from the row's metrics, or None.
         """
         missing = [n for n in needs if self.status.get(n) != "ok"]
@@ -451,9 +441,6 @@ class Check:
         """Write the table (gpu_check.md, gpu_check.json, printed), the failed rows' log tails to stderr and the
         logs to logs.tar.gz; remove the scratch copy.
 
-        Args:
-            header: the lines above the table.
-
         Returns:
             The exit code: 1 when a row failed, else 0.
         """
@@ -474,14 +461,7 @@ class Check:
 
 
 def table(rows: list[dict]) -> list[str]:
-    """The rows as a markdown table (gpu_check.md; also to re-render a saved gpu_check.json).
-
-    Args:
-        rows: gpu_check.json's rows.
-
-    Returns:
-        The table's lines.
-    """
+    """The rows as a markdown table (gpu_check.md; also to re-render a saved gpu_check.json)."""
     lines = ["| path | status | seconds | tokens/s | peak RSS GiB | note |", "|---|---|---:|---:|---:|---|"]
     for r in rows:
         sec = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
@@ -498,7 +478,6 @@ def wait_with_peak_rss(proc: subprocess.Popen, timeout: float) -> tuple[int | No
 
     Args:
         proc: the row's process, started with start_new_session (its own process group).
-        timeout: seconds.
 
     Returns:
         (exit code, or None after a timeout; peak RSS in bytes, or None where wait4 gave none).
@@ -525,9 +504,6 @@ def launch_kind(m: dict) -> str:
 
     Args:
         m: the stage's metrics (distributed_type, num_processes).
-
-    Returns:
-        The text.
     """
     kind = "no DeepSpeed" if m.get("distributed_type") == "NO" else m.get("distributed_type")
     return f"{kind}, {m.get('num_processes')} process(es)"
@@ -538,18 +514,12 @@ def fmt(x) -> str:
 
     Args:
         x: the number or None.
-
-    Returns:
-        The text.
     """
     return "-" if x is None else f"{x:.3g}"
 
 
 def last_error(log: Path) -> str:
     """The line of a failed row's log that says what went wrong.
-
-    Args:
-        log: the row's log.
 
     Returns:
         The last line naming an error (not the launcher's CalledProcessError about it), else the last line.
@@ -564,11 +534,6 @@ def last_error(log: Path) -> str:
 def importable(py: str, module: str, env: dict) -> bool:
     """Whether `module` imports under interpreter `py` (optional rows: vllm, bitsandbytes).
 
-    Args:
-        py: the interpreter.
-        module: the module name.
-        env: the rows' environment.
-
     Returns:
         True when `import module` exits 0.
     """
@@ -577,10 +542,6 @@ def importable(py: str, module: str, env: dict) -> bool:
 
 def environment(py: str, env: dict) -> list[str]:
     """The table's environment line: the device and the versions of the libraries the rows use.
-
-    Args:
-        py: the interpreter the stages run with.
-        env: the rows' environment.
 
     Returns:
         [the line].

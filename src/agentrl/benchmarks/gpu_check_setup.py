@@ -156,7 +156,6 @@ def pad_vocab(tok, size: int):
 
     Args:
         tok: a fast tokenizer (the project's, modeling.train_tokenizer's).
-        size: the vocabulary size wanted.
 
     Returns:
         A new tokenizer (modeling.wrap_tokenizer) with `<filler_i>` tokens after the existing ids.
@@ -184,12 +183,7 @@ def _stand_in_tokenizer(params, rows: list[dict], vocab_size: int):
     base.build_tiny: it renders tool calls and tool turns).
 
     Args:
-        params: the validated params.
         rows: data/prepared/sft_train.jsonl's rows.
-        vocab_size: the model's vocabulary size.
-
-    Returns:
-        The tokenizer.
     """
     from agentrl.agent.tools import split_annotated
     from agentrl.modeling import train_tokenizer
@@ -212,7 +206,6 @@ def build_stand_in(out: str, size: str) -> dict:
     the prepared data, saved like a hub snapshot. Run from the scratch copy after `prepare`.
 
     Args:
-        out: the directory to save to.
         size: a SIZES key: "gpu" the 0.6B-sized model in bf16, "rehearse" in fp32, "cpu" the tiny SMOKE_MODEL
             in fp32.
 
@@ -281,12 +274,6 @@ def tool_speed(n: int) -> dict:
     """bench's tool_loop_speed on the device (decoding.tool_loop_vs_plain): tokens/s of agent.generate_with_tools
     (the GRPO policy, params.agent's tools) against one plain `model.generate` per batch on the same prompts,
     greedy. Run from the scratch copy after the grpo row.
-
-    Args:
-        n: held-out problems.
-
-    Returns:
-        tool_loop_vs_plain's dict.
     """
     import torch
 

@@ -42,9 +42,6 @@ async def run(base: str, n: int, concurrency: int, max_tokens: int) -> dict:
     a confidence in (0, 1], at least one token).
 
     Args:
-        base: the server's base URL.
-        n: requests.
-        concurrency: requests in flight at most.
         max_tokens: each request's max_tokens.
 
     Returns:
@@ -95,14 +92,7 @@ async def run(base: str, n: int, concurrency: int, max_tokens: int) -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc).
-
-    Args:
-        pid: the process id.
-
-    Returns:
-        Seconds.
-    """
+    """User + system CPU time of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -111,9 +101,7 @@ async def drop(base: str, pid: Optional[int], n: int, max_tokens: int) -> dict:
     """n SSE clients that leave after the first chunk; then one /generate: its latency and the server's CPU.
 
     Args:
-        base: the server's base URL.
         pid: the server's process id (CPU from /proc), or None for a server this did not start (CPU: nan).
-        n: streaming clients that leave.
         max_tokens: each request's max_tokens.
 
     Returns:

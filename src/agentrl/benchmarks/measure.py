@@ -59,9 +59,6 @@ def median_range(summary: dict, number_format: str = "{:.3f}") -> str:
     Args:
         summary: a dict with "median", "min" and "max".
         number_format: the format of each of the three numbers.
-
-    Returns:
-        The cell text.
     """
     median, low, high = (number_format.format(summary[k]) for k in ("median", "min", "max"))
     return f"{median} ({low}–{high})"
@@ -108,7 +105,6 @@ def flops_per_token(dims: dict, context: float, mode: str) -> float:
     FLOPs and is not counted.
 
     Args:
-        dims: model_dims' dict.
         context: the positions each token attends to (the sequence length for training, the mean context for
             decoding).
         mode: "forward" (decoding, 2N + attention), "train" (forward + backward: 6N + 3x attention) or
@@ -132,9 +128,6 @@ def matmul_peak(dtype=torch.float32, size: int = 2048, repeats: int = 7, device:
 
     Args:
         dtype: the GEMM's dtype (fp32 on the CPU benches, bf16 on a GPU).
-        size: the square matrices' side.
-        repeats: timed runs.
-        device: where it runs.
 
     Returns:
         {"flops_per_second" (the median run's), "dtype", "size", "runs": stats of FLOP/s}.
@@ -160,9 +153,7 @@ def mfu(tokens_per_second: float, flops_per_token_: float, peak_flops_per_second
     """Model FLOP utilisation: the model FLOPs a throughput achieves over the measured peak.
 
     Args:
-        tokens_per_second: the throughput.
         flops_per_token_: flops_per_token's figure for what those tokens went through.
-        peak_flops_per_second: matmul_peak's.
 
     Returns:
         The fraction (0.12 is 12%).

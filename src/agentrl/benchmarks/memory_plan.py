@@ -54,9 +54,6 @@ PROMPT_TOKENS = 256  # --prompt-tokens: GRPO's prompt length (a chat-templated G
 def _lora_shapes(dims: dict) -> dict:
     """The projections a LoRA target_modules entry can name, Qwen3's layout.
 
-    Args:
-        dims: model_dims' dict.
-
     Returns:
         {module name: (in features, out features)}.
     """
@@ -119,12 +116,7 @@ def lora_parameters(dims: dict, r: int, modules) -> int:
     """The trainable parameters of LoRA adapters: r * (in + out) per targeted projection per layer.
 
     Args:
-        dims: model_dims' dict.
-        r: the rank.
         modules: target module names, or "all-linear".
-
-    Returns:
-        The count.
     """
     shapes = _lora_shapes(dims)
     names = list(shapes) if modules == "all-linear" else list(modules)
@@ -138,11 +130,7 @@ def trainable_parameters(dims: dict, phase: Phase) -> int:
     """The parameters a phase's optimizer updates: the LoRA adapters', or every weight for full fine-tuning.
 
     Args:
-        dims: model_dims' dict.
         phase: its LoRA rank and modules (rank None: full fine-tuning).
-
-    Returns:
-        The count.
     """
     if phase.lora_r is None:
         return matmul_parameters(dims)
@@ -154,7 +142,6 @@ def _deepspeed_states(trainable: int, largest_layer: int, recipe: Recipe) -> int
     weights and Adam states per process (ZeRO-2 or ZeRO-3, one node).
 
     Args:
-        trainable: the parameters the optimizer updates.
         largest_layer: ZeRO-3 gathers one layer at a time: the largest one's parameters (the embedding).
         recipe: zero_stage, processes and offloading.
 
@@ -185,11 +172,7 @@ def model_state_bytes(recipe: Recipe, phase: Phase) -> int:
     gradient and AdamW's two moments in its own dtype, sharded as ZeRO-2/3 shard them.
 
     Args:
-        recipe: the recipe.
         phase: its SFT or GRPO phase.
-
-    Returns:
-        Bytes.
     """
     dims, p = recipe.dims, BYTES_PER_VALUE[recipe.precision]
     total = matmul_parameters(dims)  # tied embeddings: the LM head is the embedding, counted once
@@ -280,12 +263,7 @@ def fused_head_bytes(dims: dict, scored_tokens: int, device: str) -> int:
     vocabulary entries, read here from TRL, with FUSED_HEAD_TILES of them alive in fp32 at the peak.
 
     Args:
-        dims: model_dims' dict.
-        scored_tokens: the micro-batch's tokens the loss scores.
         device: "gpu" or "cpu".
-
-    Returns:
-        Bytes.
     """
     from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
@@ -303,7 +281,6 @@ def layer_values_per_token(dims: dict, phase: Phase) -> int:
     with LoRA dropout above 0, each adapter's dropped copy of its input (h for q, k, v, gate, up; q for o; i for down).
 
     Args:
-        dims: model_dims' dict.
         phase: the LoRA modules and dropout.
 
     Returns:
@@ -328,13 +305,8 @@ def activation_bytes(dims: dict, phase: Phase, precision: str, device: str) -> i
     the first layer is recomputed (the peak sits in the head, probe_live_tensors.py).
 
     Args:
-        dims: model_dims' dict.
         phase: the batch, sequence, checkpointing and scored tokens.
-        precision: the activations' dtype.
         device: "gpu" or "cpu" (fused_head_bytes).
-
-    Returns:
-        Bytes.
     """
     p, h = BYTES_PER_VALUE[precision], dims["hidden_size"]
     per_layer = layer_values_per_token(dims, phase)
@@ -352,13 +324,7 @@ def kv_cache_bytes(dims: dict, batch: int, tokens: int, precision: str) -> int:
     """The KV cache of `batch` sequences of `tokens` tokens: keys and values of every layer.
 
     Args:
-        dims: model_dims' dict.
-        batch: sequences sampled at once.
         tokens: prompt + completion.
-        precision: the cache's dtype.
-
-    Returns:
-        Bytes.
     """
     per_token = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"]
     return per_token * batch * tokens * BYTES_PER_VALUE[precision]
@@ -369,9 +335,6 @@ def plan(recipe: Recipe) -> dict:
     the whole model gathered), then trains (activations; under ZeRO-3 the parameters DeepSpeed keeps gathered); both
     save at the end (saved_copy, in host memory: part of the peak only where host memory is the device's, the CPU).
     The peak is the model states plus the largest of these.
-
-    Args:
-        recipe: the recipe.
 
     Returns:
         {"sft": {"model_states", "reduce_bucket", "activations", "gathered_weights", "saved_copy", "total"},
@@ -434,7 +397,6 @@ def smallest_gpu(total: float, vllm_share: float = 0.0) -> int | None:
 
     Args:
         total: the predicted peak per process.
-        vllm_share: the fraction vLLM colocate takes.
 
     Returns:
         The size in GB, or None when none holds it.
@@ -445,9 +407,6 @@ def smallest_gpu(total: float, vllm_share: float = 0.0) -> int | None:
 # ------------------------------------------------------------------------------ recipes from params
 def dims_for(model: dict) -> tuple[dict, str]:
     """The model's dims from params' model section, without the hub.
-
-    Args:
-        model: params' model section.
 
     Returns:
         (model_dims' dict, where they come from).
@@ -471,11 +430,7 @@ def _trainer_value(trainer: dict, key: str, config_class):
 
     Args:
         trainer: params' sft.trainer or grpo.trainer.
-        key: the TRL argument.
         config_class: trl.SFTConfig or trl.GRPOConfig.
-
-    Returns:
-        The value.
     """
     if trainer.get(key) is not None:
         return trainer[key]
@@ -503,14 +458,8 @@ def recipe_from_params(
     """A Recipe from a params tree (params.yaml with a recipe applied).
 
     Args:
-        tree: the params as a dict.
-        name: the recipe's name for the report.
         device: "gpu" or "cpu": what precision "auto" becomes (bf16 or fp32).
-        prompt_tokens: GRPO's prompt length.
         dims: the model's dims when model.base_model is no longer there to read (a past run's stand-in).
-
-    Returns:
-        The Recipe.
     """
     import yaml
     from trl import GRPOConfig, SFTConfig
@@ -571,9 +520,6 @@ def load_tree(recipe: Path | None) -> dict:
 
     Args:
         recipe: a configs/recipes/*.yaml file, or None for params.yaml alone.
-
-    Returns:
-        The params as a dict.
     """
     from agentrl.experiments import overrides
     from agentrl.experiments.recipe import overrides as recipe_args
@@ -588,7 +534,6 @@ def _fit_text(total: float, vllm_share: float) -> str:
 
     Args:
         total: the predicted peak per process.
-        vllm_share: the fraction vLLM colocate takes.
 
     Returns:
         "fits one 24 GB GPU" or "needs more than one 80 GB GPU".
@@ -601,12 +546,6 @@ def report(recipe: Recipe) -> list[str]:
     """The plan of a recipe as it is, and of its SFT and GRPO under no ZeRO, ZeRO-2 and ZeRO-3 on 1, 2 and 4
     processes (the batch per process unchanged); for a LoRA recipe also its SFT as full fine-tuning, where the ZeRO
     stage matters.
-
-    Args:
-        recipe: the recipe.
-
-    Returns:
-        Printable lines.
     """
     gib = 2**30
     vllm = f", vLLM colocate takes {recipe.vllm_share:.0%} of each GPU" if recipe.vllm_share else ""
@@ -640,8 +579,6 @@ def against_measured(inputs: dict, name: str, peak_rss_bytes: int) -> dict:
     Args:
         inputs: what the plan reads (a row's plan_inputs: params' model, sft, grpo and distributed sections, phase,
             dims, prompt_tokens, baseline_bytes).
-        name: the row.
-        peak_rss_bytes: its measured peak.
 
     Returns:
         {"path", "phase", "planned" (the phase's plan by component), "measured", "error"}.
@@ -657,9 +594,6 @@ def against_run(path: Path) -> list[dict]:
     """This plan against a past rehearsal's measured peaks (gpu_check.json: each training row keeps what the plan
     read, plan_inputs), so that a revised plan is checked without measuring again.
 
-    Args:
-        path: a gpu_check.json written on the CPU.
-
     Returns:
         against_measured's dict for each planned row.
     """
@@ -673,10 +607,6 @@ def against_run(path: Path) -> list[dict]:
 
 def print_against(path: Path, tolerance: float) -> int:
     """`make memory-plan ARGS="--against docs/rehearsal/gpu_check.json"`: against_run's rows, printed.
-
-    Args:
-        path: a gpu_check.json written on the CPU.
-        tolerance: the largest relative error that passes.
 
     Returns:
         The exit code: 1 when a row is off by more than the tolerance.
@@ -700,9 +630,6 @@ def main(argv: list[str] | None = None) -> int:
 
     Args:
         argv: the arguments (None: sys.argv[1:]).
-
-    Returns:
-        The exit code.
     """
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipes", nargs="*", type=Path, help="default: params.yaml and configs/recipes/*.yaml")

@@ -19,9 +19,6 @@ def forced_demonstrations(tok, rows: list[dict]):
     Args:
         tok: the policy's tokenizer (Qwen3-style chat template: `<|im_start|>assistant` opens the completion).
         rows: task rows with "question" and "answer" (the demonstration with its `<<expr=result>>` calls).
-
-    Returns:
-        The transformers LogitsProcessor.
     """
     from transformers import LogitsProcessor
 
@@ -58,7 +55,6 @@ def _forced_policy(params, rows: list[dict]):
     mode, and the logits processor that makes it write the rows' demonstrations.
 
     Args:
-        params: the validated params.
         rows: task rows with "question" and "answer".
 
     Returns:
@@ -85,8 +81,6 @@ def openenv_transport(params, n: int = 64, rounds: int = LOOP_ROUNDS, environmen
     server process gets the other core.
 
     Args:
-        params: the validated params.
-        n: held-out rows.
         rounds: in-process/OpenEnv pairs back to back; the ratio is the median of the paired ratios.
         environment: a registered environment name with a task.
 

@@ -35,7 +35,6 @@ def timed(cmd: list[str], cwd: str | None = None) -> tuple[float, str]:
     """Run a command with this interpreter's bin/ first on PATH; SystemExit with its output when it fails.
 
     Args:
-        cmd: the command.
         cwd: where it runs (None: here).
 
     Returns:
@@ -52,9 +51,6 @@ def timed(cmd: list[str], cwd: str | None = None) -> tuple[float, str]:
 def stages_run(out: str) -> list[str]:
     """The stages a `dvc repro` output says it ran.
 
-    Args:
-        out: dvc repro's stdout.
-
     Returns:
         Stage names in the order they ran.
     """
@@ -64,9 +60,6 @@ def stages_run(out: str) -> list[str]:
 def scratch_copy(dst: Path) -> None:
     """The repository plus the workspace's DVC outputs and cache, committed as a fresh git repo: `dvc repro`
     there starts from the same state as here, and nothing here changes.
-
-    Args:
-        dst: an empty directory.
     """
     outputs = ("data", "models", "checkpoints", "eval", "metrics", "diagnostics", "dvclive", ".dvc/cache")
     copy_repo(Path.cwd(), dst, outputs=outputs)
@@ -77,10 +70,8 @@ def _grpo_change_repros(dvc: str, scratch: Path, learning_rate: float, repro_rep
     """`dvc repro` after a GRPO-only change (a new grpo.trainer.learning_rate each time) in the scratch copy.
 
     Args:
-        dvc: the dvc executable.
         scratch: the scratch copy (scratch_copy's).
         learning_rate: the workspace's grpo.trainer.learning_rate, scaled by 1.5, 1.75, ... per run.
-        repro_repeats: runs.
 
     Returns:
         {"seconds": stats, "stages_rerun": the first run's, "runs": each run's seconds and stages}.
@@ -100,9 +91,7 @@ def _full_repros(dvc: str, scratch: Path, repro_repeats: int) -> dict:
     first (or sft/grpo would resume from their last step).
 
     Args:
-        dvc: the dvc executable.
         scratch: the scratch copy, with the workspace's params.yaml.
-        repro_repeats: runs.
 
     Returns:
         full_repro_seconds, full_repro_stages, full_repro_accuracies (identical across repeats when the pipeline
@@ -133,7 +122,6 @@ def dvc_timings(params, repeats: int, repro_repeats: int) -> dict:
 
     Args:
         params: the validated params (grpo.trainer.learning_rate).
-        repeats: no-op repros.
         repro_repeats: GRPO-change and full repros.
 
     Returns:

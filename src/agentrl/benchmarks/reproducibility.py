@@ -62,7 +62,6 @@ def _alternating_runs(scratch: str, params: dict, repeats: int) -> dict[str, lis
     native, ... so a drifting machine load hits both.
 
     Args:
-        scratch: the scratch directory.
         params: _scratch_params' tree (its reproducibility.mode is set per child).
         repeats: runs per mode.
 
@@ -103,11 +102,7 @@ def _table(res: dict, repeats: int) -> list[str]:
     """The printed comparison: one row per figure, native and portable medians and their ratio.
 
     Args:
-        res: reproducibility_cost's result.
         repeats: runs per mode.
-
-    Returns:
-        The table's lines.
     """
     lines = [
         f"reproducibility.mode portable vs native on {res['machine']}, medians of {repeats} runs per mode "

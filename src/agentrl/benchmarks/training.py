@@ -25,7 +25,6 @@ def _plain_twin(params, stage):
     sft.use_lora) in train mode and a fused AdamW over its trainable parameters.
 
     Args:
-        params: the validated params.
         stage: agentrl.stages.training (peft_config, learning_rate).
 
     Returns:
@@ -48,12 +47,7 @@ def _plain_step(model, optimizer, micro_batches: list[dict], max_grad_norm: floa
     step.
 
     Args:
-        model, optimizer: from _plain_twin.
         micro_batches: the collated batches the trainer's step consumed.
-        max_grad_norm: sft.trainer.max_grad_norm.
-
-    Returns:
-        The step's wall seconds.
     """
     start = time.perf_counter()
     for b in micro_batches:
@@ -202,8 +196,6 @@ def _grpo_trainer(params, args, callback):
     and SFT model.
 
     Args:
-        params: the validated params.
-        args: its GRPOConfig.
         callback: a TrainerCallback class whose `rollout` attribute is set here to the rollout function.
 
     Returns:
@@ -288,10 +280,7 @@ def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, plan: tu
 
     Args:
         params: the validated params (rewards, LoRA).
-        args: the GRPOConfig.
         model, tok: the starting policy and its tokenizer.
-        rows: the training rows.
-        warmup: leading steps left out.
         plan: (rollout_func, environment_factory), as grpo.rollout_plan gives them.
 
     Returns:
@@ -340,7 +329,6 @@ def merged_rollouts_cost(params, repeats: int, steps: int) -> dict:
 
     Args:
         params: the validated params (grpo.use_lora must be true).
-        repeats: runs.
         steps: timed steps per run (both sides), after 2 warm-up ones.
 
     Returns:

@@ -391,6 +391,7 @@ def instance_key(row: dict) -> str:
 
 
 def question(numbers: list[int], target: int, use_all: bool) -> str:
+    """The task's text for these numbers and target."""
     once = "once each" if use_all else "at most once each"
     return f"Make {target} from {' '.join(map(str, numbers))} using + - * / {once}."
 

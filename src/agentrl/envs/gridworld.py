@@ -427,6 +427,7 @@ def render(grid: list[str]) -> str:
 
 
 def question(grid: list[str]) -> str:
+    """The task's text for this grid."""
     return "Walk from S to G. O is a hole.\n" + render(grid)
 
 

@@ -150,6 +150,18 @@ def import_path(name: str, what: str):
         raise ImportPathError(f"{what} '{name}': {error}") from None
 
 
+def check_imports(params) -> None:
+    """Import every `module:attr` that params name (agent.tools, agent.environment, grpo.rewards): ImportPathError
+    naming the key when one does not import. Validation imports nothing (an agent's params are checked without
+    running code, docs/security.md); the stages call this first, so a typo stops them before any model or data."""
+    named = [("agent.tools: cannot import custom tool", name) for name in params.agent.tools]
+    named += [("agent.environment: cannot import", params.agent.environment)]
+    named += [("grpo.rewards: cannot import custom reward", name) for name in params.grpo.rewards]
+    for what, name in named:
+        if isinstance(name, str) and ":" in name:
+            import_path(name, what)
+
+
 def call_tool(fn: Callable[..., str], *args, **kwargs) -> tuple[str, bool]:
     """(result text, ok). Any exception becomes 'error: ...' (ok False); never raises.
 

@@ -30,9 +30,6 @@ from agentrl.experiments.queue import dvc_stages
 def git(*args: str) -> str:
     """Run git here.
 
-    Args:
-        args: its arguments.
-
     Returns:
         Its output; CalledProcessError when it fails.
     """
@@ -41,9 +38,6 @@ def git(*args: str) -> str:
 
 def exp_ref(name: str) -> str:
     """The git ref of the experiment `name` (refs/exps/.../<name>), the only one of that name.
-
-    Args:
-        name: the experiment's name.
 
     Returns:
         The ref; SystemExit when there is none or more than one.
@@ -76,10 +70,6 @@ def changed_params(base: str, commit: str) -> list[tuple[str, object, object]]:
     (overrides.load, overrides.same: `1e-6` a float, `true` not `1`; MISSING where a side lacks the key): `dvc exp
     run -S` rewrites the file's layout (flow lists, nulls, quotes), which a text diff would show.
 
-    Args:
-        base: the baseline's commit.
-        commit: the experiment's commit.
-
     Returns:
         (key, baseline value, experiment value), sorted by key.
     """
@@ -92,14 +82,7 @@ def changed_params(base: str, commit: str) -> list[tuple[str, object, object]]:
 
 
 def _cell(value: object) -> str:
-    """A params value as a table cell: JSON in backquotes, `(absent)` for MISSING.
-
-    Args:
-        value: the value.
-
-    Returns:
-        The cell's text.
-    """
+    """A params value as a table cell: JSON in backquotes, `(absent)` for MISSING."""
     return "(absent)" if value is MISSING else f"`{json.dumps(value, default=str)}`"
 
 
@@ -115,7 +98,6 @@ def experiment_files(experiment: str, out_dir: Path, commit: str, base: str, met
     Args:
         experiment: the experiment's name (`env-countdown`).
         out_dir: the folder the files go to (named in experiment.md's command).
-        commit: the experiment's commit.
         base: the commit it ran on (its parent), the baseline of the params table.
         metrics: the metrics files dvc.yaml declares (declared_metrics).
 
@@ -150,13 +132,6 @@ def experiment_files(experiment: str, out_dir: Path, commit: str, base: str, met
 def files_it_would_replace(out_dir: Path, texts: dict[str, str]) -> list[str]:
     """The files in `out_dir` that the copy would change: present with other content (an identical file, e.g. the
     same experiment copied twice, is not a replacement).
-
-    Args:
-        out_dir: the target folder.
-        texts: experiment_files' result.
-
-    Returns:
-        Their names.
     """
     return [name for name, text in texts.items() if (out_dir / name).exists() and (out_dir / name).read_text() != text]
 

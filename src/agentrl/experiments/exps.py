@@ -100,10 +100,6 @@ def rows(show: list[dict]) -> list[dict]:
 def table(items: list[dict], width: int = 100) -> str:
     """The rows as fixed-width text no wider than `width` (names shortened, changed params wrapped below).
 
-    Args:
-        items: rows' result.
-        width: the widest line.
-
     Returns:
         The table, then the changed params and a legend.
     """

@@ -110,6 +110,7 @@ def hydra_keys(v: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ checking
 def check_key(key: Any) -> str:
+    """A dotted params key as `dvc exp run -S` takes it, else OverrideError naming it."""
     if not isinstance(key, str) or not KEY_RE.match(key) or len(key) > 200:
         shown = key if isinstance(key, str) else type(key).__name__
         raise OverrideError(
@@ -153,6 +154,7 @@ def check_value(key: str, value: Any, max_depth: int = 8) -> None:
 
 
 def check_string(key: str, where: str, s: str) -> None:
+    """OverrideError when a string value would be changed by DVC's -S parsing (an interpolation)."""
     if "${" in s:
         raise OverrideError(
             key,

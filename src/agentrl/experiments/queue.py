@@ -44,9 +44,6 @@ def experiment_name_problem(name: str) -> str:
     (no revision syntax: ~ ^ : @{ whitespace), and not a name git itself resolves (pseudo-refs, abbreviated commit
     ids). The agent API (api/checks.py) and the sweeps share this rule.
 
-    Args:
-        name: the experiment name to check.
-
     Returns:
         The rule it breaks, worded to follow "'name' ", or "".
     """
@@ -83,9 +80,6 @@ def check_search_name(name: str, flag: str = "--name") -> None:
 
 def dvc_stages(root: Path) -> list[dict]:
     """dvc.yaml's stages in `root`, each as name, cmd, params, outs and metrics (paths only).
-
-    Args:
-        root: the folder holding dvc.yaml.
 
     Returns:
         One dict per stage, in dvc.yaml's order.

@@ -56,7 +56,6 @@ def apply(params_file: str | Path, recipe: str | Path) -> None:
 
     Args:
         params_file: the params.yaml to rewrite (no validation: see `check` and `apply_in_place`).
-        recipe: the recipe file.
     """
     from dvc.utils.hydra import apply_overrides
 
@@ -68,9 +67,7 @@ def check(recipe: str | Path, params_file: str | Path = "params.yaml", more: Ite
     the result; RecipeError naming the recipes and every invalid key otherwise.
 
     Args:
-        recipe: the recipe file.
         params_file: the params.yaml the recipe would be applied to (left untouched).
-        more: recipes applied after it.
     """
     recipes = [recipe, *more]
     with tempfile.TemporaryDirectory() as d:
@@ -89,7 +86,6 @@ def applied_text(params_text: str, recipes: Iterable[str | Path]) -> str:
     """params.yaml's text with each recipe applied in turn (a later recipe wins on a key both set).
 
     Args:
-        params_text: the params.yaml text to start from.
         recipes: recipe files, applied in order.
 
     Returns:
@@ -106,10 +102,6 @@ def applied_text(params_text: str, recipes: Iterable[str | Path]) -> str:
 
 def changed_keys(old: Any, new: Any) -> list[str]:
     """`key: old -> new` for every leaf that differs between two params trees (added and removed leaves too).
-
-    Args:
-        old: the params tree before.
-        new: the params tree after.
 
     Returns:
         One line per changed leaf, in the new tree's order, then the removed ones.
@@ -129,9 +121,6 @@ def changed_keys(old: Any, new: Any) -> list[str]:
 
 def uncommitted_edits(params_file: Path) -> str:
     """git's one-line status of `params_file` ('' when it matches the last commit).
-
-    Args:
-        params_file: a file inside a git checkout.
 
     Returns:
         The porcelain status line(s), empty when the file has no uncommitted edits.
@@ -164,8 +153,6 @@ def apply_in_place(
 
     Args:
         recipes: recipe files, applied in order (a later one wins on a key both set).
-        params_file: the params.yaml to rewrite.
-        force: apply even over uncommitted edits.
 
     Returns:
         `key: old -> new` per changed leaf; empty when params.yaml already had every value.

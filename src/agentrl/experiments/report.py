@@ -220,6 +220,7 @@ three seeds and writes docs/seeds.json, which this report then shows here.</p>
 
 
 def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
+    """The experiments report (reports/): the figures and the tables, from the repository's metrics."""
     data = load(root)
     out.mkdir(parents=True, exist_ok=True)
     fig = accuracy_figure(data["stages"])
@@ -239,6 +240,7 @@ def build(root: Path = Path("."), out: Path = Path("reports")) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m agentrl.experiments.report [--out DIR]` (`make report`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="reports")
     a = ap.parse_args(argv)

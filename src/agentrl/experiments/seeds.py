@@ -63,12 +63,7 @@ def experiment_states() -> dict[str, str]:
 
 
 def queue_and_run(seeds: list[int], jobs: int) -> None:
-    """Queue `seed-K` for each seed not already run on this commit (a failed or queued one afresh), run the queue.
-
-    Args:
-        seeds: the seeds.
-        jobs: DVC queue workers.
-    """
+    """Queue `seed-K` for each seed not already run on this commit (a failed or queued one afresh), run the queue."""
     states, queued = experiment_states(), []
     for k in seeds:
         name = f"seed-{k}"
@@ -86,9 +81,6 @@ def queue_and_run(seeds: list[int], jobs: int) -> None:
 def exp_commit(name: str) -> str:
     """The commit of experiment `name` on this baseline (refs/exps/<baseline>/<name>, as `dvc exp` stores it).
 
-    Args:
-        name: the experiment's name.
-
     Returns:
         Its commit; ValueError when it has no ref on this commit.
     """
@@ -105,7 +97,6 @@ def _metrics(path: str, name: str) -> dict:
 
     Args:
         path: a metrics or diagnostics file.
-        name: the experiment's name.
 
     Returns:
         Its JSON; ValueError naming the experiment and the file when it is missing or not JSON.
@@ -183,9 +174,6 @@ def spread(values: list) -> dict | None:
 def aggregate(runs: list[dict]) -> dict:
     """The spread over the seeds: per stage and figure, of GRPO - SFT, and the paired test per seed and pooled.
 
-    Args:
-        runs: collect's runs.
-
     Returns:
         What docs/seeds.json holds (without commit and seconds).
     """
@@ -212,14 +200,7 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def _pct(s: dict | None) -> str:
-    """A spread as `mean% ± sd (min–max)`, `–` for none.
-
-    Args:
-        s: spread's result.
-
-    Returns:
-        The table cell.
-    """
+    """A spread as `mean% ± sd (min–max)`, `–` for none."""
     if s is None:
         return "–"
     sd = "" if s["sd"] is None else f" ± {100 * s['sd']:.1f}"
@@ -227,14 +208,7 @@ def _pct(s: dict | None) -> str:
 
 
 def markdown(agg: dict) -> str:
-    """The spread as markdown: per stage mean ± sd (min–max), then the paired test per seed and pooled.
-
-    Args:
-        agg: aggregate's result.
-
-    Returns:
-        The markdown text.
-    """
+    """The spread as markdown: per stage mean ± sd (min–max), then the paired test per seed and pooled."""
     seeds = ", ".join(map(str, agg["seeds"]))
     lines = [
         f"Over {len(agg['seeds'])} seeds ({seeds}; `make seeds`, docs/seeds.json): mean ± sample sd (min–max).",
@@ -267,7 +241,6 @@ def update_readme(text: str, path: Path = README) -> bool:
     """Replace the block between the README's seeds markers with `text`.
 
     Args:
-        text: the markdown block.
         path: the file holding the markers (docs/results.md).
 
     Returns:
@@ -284,12 +257,7 @@ def update_readme(text: str, path: Path = README) -> bool:
 
 
 def write(agg: dict, seconds: float) -> None:
-    """docs/seeds.json, docs/seeds.md and docs/results.md's seeds block; the markdown printed.
-
-    Args:
-        agg: aggregate's result.
-        seconds: how long the seeds took.
-    """
+    """docs/seeds.json, docs/seeds.md and docs/results.md's seeds block; the markdown printed."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     OUT_JSON.parent.mkdir(parents=True, exist_ok=True)
     OUT_JSON.write_text(json.dumps({**agg, "commit": commit, "seconds": round(seconds, 1)}, indent=2) + "\n")

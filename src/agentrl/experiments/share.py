@@ -33,6 +33,8 @@ OVERRIDE = "cli"  # the name the one-off DVC_REMOTE gets inside this process
 
 
 class ShareError(RuntimeError):
+    """A shared DVC remote that cannot be read or written; said in one line."""
+
     pass
 
 
@@ -84,6 +86,7 @@ def check_remote_exists(repo, name: str, where: str) -> None:
 
 
 def git_remote_url(name: str) -> Optional[str]:
+    """The URL of a git remote, or None when it is not set."""
     r = subprocess.run(["git", "remote", "get-url", name], capture_output=True, text=True)
     return r.stdout.strip() if r.returncode == 0 else None
 
@@ -116,6 +119,7 @@ class _MissingCache(logging.Handler):
 
 
 def push(url: Optional[str], git_remote: str) -> dict:
+    """The workspace's DVC outputs pushed to the shared remote; returns what was sent and how long it took."""
     repo, name, where = open_repo(url)
     with repo:
         t = time.perf_counter()
@@ -267,6 +271,7 @@ def _experiments(repo, action: str, git_remote: str):
 
 
 def main() -> None:
+    """`python -m agentrl.experiments.share push|pull` (`make push`, `make pull`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=("push", "pull"))
     ap.add_argument(

@@ -34,7 +34,6 @@ def suggest(trial, section: dict) -> dict:
     """A point of the space's `random:` section drawn by an Optuna trial (its sampler decides how).
 
     Args:
-        trial: the Optuna trial.
         section: the space's `random:` section (param -> distribution).
 
     Returns:
@@ -97,7 +96,6 @@ def _check_searched(path: str, space: dict) -> None:
 
     Args:
         path: the space file, for the errors.
-        space: the space as read.
     """
     for key, values in (space.get("grid") or {}).items():
         if not isinstance(values, list) or not values:
@@ -126,7 +124,6 @@ def results(names: list[str], objective: dict) -> tuple[dict[str, dict], list[st
     """The search's experiments that succeeded with a value of the objective, and the others.
 
     Args:
-        names: the experiments' names.
         objective: the space's `objective:` section.
 
     Returns:
@@ -146,15 +143,8 @@ def finish(name: str, space: dict, kind: str, names: list[str], started: float, 
     """Best of the search's experiments `names` (`ran` of them run now) by the objective -> sweeps/<name>/best.json.
 
     Args:
-        name: the search's name.
-        space: the checked space.
         kind: grid, random or optuna.
-        names: the search's experiments.
         started: time.time() when the search started.
-        ran: how many of them ran now.
-
-    Returns:
-        What best.json holds.
     """
     import dvc.api
 
@@ -193,9 +183,6 @@ def pick(tree: dict, dotted: str):
     Args:
         tree: the params or metrics.
         dotted: the key (`grpo.trainer.beta`).
-
-    Returns:
-        The value there.
     """
     value = overrides.get(tree, dotted)
     if value is overrides.MISSING:
@@ -205,11 +192,6 @@ def pick(tree: dict, dotted: str):
 
 def run_grid(name: str, space: dict, jobs: int) -> dict:
     """Queue the grid's product as one `dvc exp run --queue`, run it, and pick the best.
-
-    Args:
-        name: the search's name.
-        space: the checked space.
-        jobs: DVC queue workers.
 
     Returns:
         What sweeps/<name>/best.json holds.
@@ -229,12 +211,8 @@ def run_study(name: str, space: dict, kind: str, trials: int, jobs: int, seed: i
     `jobs` at a time, each result told to the study; then the best.
 
     Args:
-        name: the search's name.
-        space: the checked space.
         kind: random (RandomSampler) or optuna (TPESampler).
-        trials: complete trials the study aims for.
         jobs: DVC queue workers, and trials asked per round.
-        seed: the sampler's seed.
 
     Returns:
         What sweeps/<name>/best.json holds.

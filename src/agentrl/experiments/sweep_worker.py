@@ -119,9 +119,6 @@ def rdb_storage(url: str, attempts: int = 3, wait_s: float = 2.0, **kwargs):
 def shown_storage(spec: str) -> str:
     """STORAGE as it may be printed: an RDB URL without its password.
 
-    Args:
-        spec: STORAGE as given.
-
     Returns:
         The same, the password of an RDB URL replaced by ***.
     """
@@ -206,7 +203,6 @@ def journal_storage(spec: str, heartbeat, grace, retry, create: bool):
     replay fails) stops with a SystemExit naming it and the first problem.
 
     Args:
-        spec: the journal file's path.
         heartbeat, grace, retry: as open_storage's heartbeat, grace and retry callback.
         create: whether a missing journal file may be created.
 
@@ -236,11 +232,7 @@ def make_sampler(kind: str, space: dict, seed: int | None):
 
     Args:
         kind: grid, random or optuna.
-        space: the checked space.
         seed: the sampler's seed (None: unseeded).
-
-    Returns:
-        The Optuna sampler.
     """
     import optuna
 
@@ -262,9 +254,6 @@ class TrialError(RuntimeError):
 
 def counts(study) -> collections.Counter:
     """Trials per state.
-
-    Args:
-        study: the study.
 
     Returns:
         state name (COMPLETE, RUNNING, WAITING, FAIL, PRUNED) -> count.
@@ -326,11 +315,7 @@ def join_study(a, space: dict, storage):
 
     Args:
         a: the parsed `worker` arguments.
-        space: the checked space.
         storage: the study storage (open_storage).
-
-    Returns:
-        The Optuna study.
     """
     import optuna
 
@@ -357,9 +342,6 @@ def trial_objective(a, study, space: dict, target: int, mine: list[int]) -> Call
 
     Args:
         a: the parsed `worker` arguments.
-        study: the study.
-        space: the checked space.
-        target: complete trials the study aims for.
         mine: the numbers of the trials this worker started (appended to).
 
     Returns:
@@ -418,7 +400,6 @@ def push_experiment(a, trial, exp: str) -> None:
     Args:
         a: the parsed `worker` arguments (git_remote, dvc_remote).
         trial: the Optuna trial (records where it was pushed).
-        exp: the experiment's name.
     """
     push = ["dvc", "exp", "push", *(["-r", a.dvc_remote] if a.dvc_remote else []), a.git_remote, exp]
     print("+", " ".join(push), flush=True)
@@ -433,9 +414,6 @@ def run_until_complete(a, study, objective: Callable, target: int, mine: list[in
 
     Args:
         a: the parsed `worker` arguments.
-        study: the study.
-        objective: trial_objective's function.
-        target: complete trials the study aims for.
         mine: the numbers of the trials this worker started.
     """
     import optuna
@@ -527,9 +505,6 @@ def run_status(a) -> dict:
 
     Args:
         a: the parsed `status` arguments.
-
-    Returns:
-        The summary.
     """
     import optuna
 
@@ -629,11 +604,7 @@ def dashboard_app(storage, port: int, token: str | None = None):
 
     Args:
         storage: the study storage (open_storage).
-        port: the port it is served on.
         token: the secret that allows changes; None: read-only.
-
-    Returns:
-        The WSGI application to serve.
     """
     from optuna_dashboard import wsgi
 
@@ -665,11 +636,7 @@ def run_dashboard(a) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line of scripts/sweep_worker.py: worker, status and dashboard.
-
-    Returns:
-        The parser.
-    """
+    """The command line of scripts/sweep_worker.py: worker, status and dashboard."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     w = sub.add_parser("worker", help="join the study and run trials until it is complete")

@@ -30,7 +30,6 @@ def wandb_key(file: str, column: str) -> tuple[str, str]:
 
     Args:
         file: the plot's file (dvclive/<stage>/plots/metrics/*.tsv or metrics/*.csv).
-        column: the y column.
 
     Returns:
         (W&B job type, W&B key); ValueError for a file with no known key.
@@ -49,9 +48,6 @@ def wandb_key(file: str, column: str) -> tuple[str, str]:
 
 def panel_specs(root: Path = ROOT) -> dict[str, list[tuple[str, str, list[str]]]]:
     """The report's panels: the dvc.yaml plots, then a bar per report column not plotted yet.
-
-    Args:
-        root: the folder of dvc.yaml.
 
     Returns:
         {W&B job type: [(kind, title, keys)]}.
@@ -81,9 +77,6 @@ def panel_specs(root: Path = ROOT) -> dict[str, list[tuple[str, str, list[str]]]
 def training_panels(root: Path = ROOT) -> list[tuple[str, list[str]]]:
     """The training curves of the report: what tests/test_training.py checks the stages really log.
 
-    Args:
-        root: the folder of dvc.yaml.
-
     Returns:
         (title, W&B keys) per curve.
     """
@@ -94,14 +87,8 @@ def build_report(project: str, entity: str, group: str | None = None, title: str
     """The W&B Report (wandb_workspaces.reports.v2), built offline: nothing is sent until it is saved.
 
     Args:
-        project: the W&B project.
-        entity: the W&B entity.
         group: only the runs of this W&B group (a pipeline run / DVC experiment); None: all runs.
         title: the report's title (default: "Agentic RL pipeline", with the group).
-        root: the folder of dvc.yaml.
-
-    Returns:
-        The report.
     """
     import wandb_workspaces.reports.v2 as wr
 
@@ -142,14 +129,7 @@ def build_report(project: str, entity: str, group: str | None = None, title: str
 
 
 def report_json(report) -> dict:
-    """The report as built (offline: nothing is sent; W&B resolves project ids only on save).
-
-    Args:
-        report: build_report's result.
-
-    Returns:
-        Its JSON-able form.
-    """
+    """The report as built (offline: nothing is sent; W&B resolves project ids only on save)."""
     from pydantic import TypeAdapter
 
     return TypeAdapter(type(report)).dump_python(report, mode="json")

@@ -63,6 +63,7 @@ def check_model_dir(path: str) -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
+    """Loads the model once at startup (as evaluation loads it); at shutdown stops the worker and its thread pools."""
     path, cfg, agent, model, environments = _settings()
     check_model_dir(path)
     engine = Engine(path, cfg, agent, torch_dtype(model.precision), environments)  # as evaluation loads it
@@ -84,6 +85,7 @@ def _engine(request: Request) -> Engine:
 
 @app.get("/health")
 async def health(request: Request):
+    """`GET /health`: the model, its device and dtype, and the engine's counters."""
     engine = _engine(request)
     return {
         "status": "ok",
@@ -112,11 +114,13 @@ def _model_card(engine: Engine) -> dict:
 
 @app.get("/v1/models")
 async def list_models(request: Request):
+    """`GET /v1/models`: the one model served."""
     return {"object": "list", "data": [_model_card(_engine(request))]}
 
 
 @app.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
+    """`GET /v1/models/{id}`."""
     card = _model_card(_engine(request))
     if model_id != card["id"]:
         raise ApiError(
@@ -130,6 +134,7 @@ async def get_model(model_id: str, request: Request):
 
 @app.post("/generate", response_model=GenerateResponse)
 async def generate(req: GenerateRequest, request: Request):
+    """`POST /generate`: one problem in, the completion with its tool calls and the parsed answer out."""
     engine = _engine(request)
     if not req.text.strip():
         raise ApiError("text", "must be a non-empty string")
@@ -229,6 +234,7 @@ async def _chat_prompt(engine: Engine, req: ChatRequest, sampling: Sampling, pla
 
 @app.post("/v1/chat/completions")
 async def chat(req: ChatRequest, request: Request):
+    """`POST /v1/chat/completions`: OpenAI's chat API, streamed or not, with client-side function calling."""
     engine = _engine(request)
     sampling = _chat_sampling(req, engine)
     try:

@@ -62,7 +62,6 @@ def encode_plain(tokenizer, texts: list[str]) -> list[list[int]]:
     tokenizer call (linear in the total length, however many texts).
 
     Args:
-        tokenizer: a fast transformers tokenizer.
         texts: message contents, tool results.
 
     Returns:
@@ -125,6 +124,8 @@ def _fallback_prompt_ids(tokenizer, messages: list[dict], template_kwargs: Optio
 # -------------------------------------------------------------------------------- generation
 @dataclass
 class Sampling:
+    """How one request samples (OpenAI's parameters)."""
+
     max_tokens: int
     temperature: float = 0.0  # < MIN_TEMPERATURE: greedy
     top_p: float = 1.0
@@ -153,6 +154,8 @@ def served_row(tok, prompt_ids: list[int]) -> dict:
 
 @dataclass
 class Job:
+    """One queued request: its prompt, sampling and the future its reply resolves."""
+
     prompt_ids: list[int]
     sampling: Sampling
     future: asyncio.Future

@@ -95,6 +95,8 @@ def _short(value: Any) -> str:
 
 
 class FunctionDef(Body):
+    """A function the client offers (OpenAI's `tools[].function`)."""
+
     name: Annotated[Text, Field(pattern=FUNCTION_NAME)]
     description: Optional[Annotated[Text, Field(max_length=MAX_DESCRIPTION)]] = None
     parameters: Optional[Annotated[dict[str, Any], AfterValidator(_check_schema)]] = None
@@ -106,6 +108,8 @@ class FunctionDef(Body):
 
 
 class ToolDef(Body):
+    """One entry of a request's `tools`."""
+
     type: Literal["function"]
     function: FunctionDef
 
@@ -125,10 +129,14 @@ Tools = Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS), Afte
 
 
 class FunctionName(Body):
+    """The function `tool_choice` names."""
+
     name: Text
 
 
 class NamedToolChoice(Body):
+    """`tool_choice` naming one function."""
+
     type: Literal["function"]
     function: FunctionName
 
@@ -137,11 +145,15 @@ ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class CallFunction(Body):
+    """A call's function and its JSON arguments."""
+
     name: Text
     arguments: Text  # a JSON object, as a string (OpenAI's shape)
 
 
 class MessageToolCall(Body):
+    """One call in an assistant message's `tool_calls`."""
+
     id: Annotated[Text, Field(min_length=1, max_length=256)]
     type: Literal["function"]
     function: CallFunction
@@ -430,6 +442,7 @@ _CHAT_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def call_id() -> str:
+    """A fresh call id in OpenAI's shape (`call_...`)."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 

@@ -91,10 +91,6 @@ def tool_spec(name: str, method: Callable) -> dict:
 
     Args:
         name: the tool's name (the method's).
-        method: the bound method.
-
-    Returns:
-        A JSON-serialisable dict.
     """
     from transformers.utils import get_json_schema
 
@@ -237,7 +233,6 @@ def build_app(name: str, knobs: Optional[dict] = None, max_sessions: int = MAX_S
 
     Args:
         name: a registry name (envs/tasks.py ENVIRONMENTS) or `module:Class`.
-        knobs: the class's constructor keyword arguments.
         max_sessions: concurrent WebSocket sessions (episodes) at most.
 
     Returns:
@@ -369,8 +364,6 @@ def serve_in_thread(name: str, knobs: Optional[dict] = None, host: str = "127.0.
 
     Args:
         name: a registry name or `module:Class`.
-        knobs: the class's constructor keyword arguments.
-        host: the address to bind.
 
     Returns:
         The running server (its URL is http://host:port).

@@ -22,12 +22,16 @@ Temperature = Annotated[
 
 
 class GenerateRequest(Body):
+    """`POST /generate`'s body."""
+
     text: Text = Field(description="the problem / user message")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, description="tokens to generate, 1..serve.max_tokens_limit")
     temperature: Temperature = 0.0
 
 
 class ToolCall(BaseModel):
+    """One tool call the server ran during a completion."""
+
     name: str
     arguments: dict
     result: str
@@ -35,6 +39,8 @@ class ToolCall(BaseModel):
 
 
 class GenerateResponse(BaseModel):
+    """`POST /generate`'s answer."""
+
     text: str  # the completion, tool results included (e.g. "48/2=<<48/2=24>>24 ...")
     answer: Optional[str]
     confidence: float
@@ -43,11 +49,15 @@ class GenerateResponse(BaseModel):
 
 
 class TextPart(Body):
+    """A text part of a message's content."""
+
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(Body):
+    """One message of a chat request."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer system
     content: Union[Text, list[TextPart], None] = None  # absent/null only in an assistant message with tool_calls
     tool_calls: Optional[Annotated[list[MessageToolCall], Field(min_length=1, max_length=MAX_CALLS)]] = None
@@ -60,10 +70,14 @@ class ChatMessage(Body):
 
 
 class StreamOptions(Body):
+    """OpenAI's `stream_options`."""
+
     include_usage: bool = False
 
 
 class ChatRequest(Body):
+    """`POST /v1/chat/completions`'s body."""
+
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None

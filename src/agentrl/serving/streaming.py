@@ -96,12 +96,7 @@ async def chat_stream(
     first, then the arguments), as OpenAI streams them. A client that disconnects cancels the generation.
 
     Args:
-        engine: the serving engine that generates.
-        ids: the prompt's token ids.
-        sampling: the request's sampling settings.
-        cid: the completion id every chunk carries.
         created: its creation time (unix seconds).
-        model: the model name every chunk carries.
         include_usage: end with a usage chunk (stream_options.include_usage).
         plan: the request's client-side tools, or None.
 

@@ -54,12 +54,7 @@ def arithmetic_facts(
     task uses: x in [0, max_value], b in [lo, hi] (multipliers 2..multiplier_max), results <= max_value.
 
     Args:
-        count: how many facts.
-        lo: the smallest operand b.
-        hi: the largest operand b.
         max_value: the largest x and result.
-        seed: the generator's seed.
-        multiplier_max: the largest multiplier.
 
     Returns:
         The facts, e.g. "12+5=17".
@@ -85,12 +80,6 @@ def arithmetic_facts(
 
 def pretrain(model, tokenizer, docs: list[str], params: Params) -> dict:
     """Short causal-LM pretraining with transformers' Trainer on packed blocks.
-
-    Args:
-        model: the tiny model.
-        tokenizer: its tokenizer.
-        docs: the pretraining documents.
-        params: the run's params.
 
     Returns:
         tokens, steps, first and final loss, runtime.
@@ -149,9 +138,6 @@ def pretrain(model, tokenizer, docs: list[str], params: Params) -> dict:
 def build_tiny(params: Params) -> dict:
     """The base stage for model.base_model tiny: train a tokenizer, build the Qwen3-architecture model,
     pretrain it briefly and save models/base.
-
-    Args:
-        params: the run's params.
 
     Returns:
         The metrics written to metrics/base.json.
@@ -221,9 +207,6 @@ class BaseModelError(ValueError):
 
 def from_hub(params: Params) -> dict:
     """The base stage for a hub model: download model.base_model at model.revision into models/base.
-
-    Args:
-        params: the run's params.
 
     Returns:
         metrics/base.json: the model id, the revision asked for, the commit it resolved to and the parameter count.
@@ -297,15 +280,7 @@ def from_gguf(params: Params) -> dict:
 
 
 def load_tokenizer_hub(name: str, revision: str):
-    """A hub tokenizer at a revision.
-
-    Args:
-        name: the hub id.
-        revision: the revision.
-
-    Returns:
-        The tokenizer.
-    """
+    """A hub tokenizer at a revision."""
     return load_tokenizer(name, revision)  # a function of its own: the tests replace it (no hub access)
 
 

@@ -65,15 +65,14 @@ SEED_STAGES = (("base", "base model"), ("sft", "SFT"), ("grpo", "GRPO"), ("merge
 
 
 class PublishError(RuntimeError):
+    """The model card cannot be pushed to the hub; said in one line."""
+
     pass
 
 
 def read_seeds(path: Path = SEEDS) -> Optional[dict]:
     """The seed aggregate of `make seeds` (docs/seeds.json), or None when there is none yet (no file, or no
     seeds in it). A file that is not such an aggregate is a ValueError naming it and what was expected.
-
-    Args:
-        path: the aggregate file.
 
     Returns:
         The aggregate, or None.
@@ -112,9 +111,6 @@ def seed_summary(seeds: Optional[dict], committed_seed: int) -> str:
     Args:
         seeds: read_seeds()'s aggregate, or None.
         committed_seed: the seed of the run the card reports.
-
-    Returns:
-        The markdown.
     """
     if not seeds:
         return (
@@ -182,9 +178,6 @@ def _signed(fraction: float) -> str:
 
 def collect(params: Params) -> dict:
     """Everything the card reports, from params and the run's metrics files (no model is loaded).
-
-    Args:
-        params: the run's params.
 
     Returns:
         params, metrics (by stage), git state, merged_digest and seeds.
@@ -276,9 +269,6 @@ def _card_data(info: dict, evals: dict) -> Any:
     Args:
         info: collect()'s dict.
         evals: EVAL_ROWS key -> that evaluation's metrics.
-
-    Returns:
-        The huggingface_hub ModelCardData.
     """
     from huggingface_hub import ModelCardData
 
@@ -327,7 +317,6 @@ def _accuracy_table(evals: dict, tools_seen: bool) -> str:
 
     Args:
         evals: EVAL_ROWS key -> that evaluation's metrics.
-        tools_seen: whether any evaluation recorded tool use.
 
     Returns:
         The table: header, separator and one row per EVAL_ROWS entry.
@@ -532,15 +521,7 @@ make pull      # the cached models and outputs from the DVC remote; or `make rep
 
 
 def write_card(params: Params, path: Path = CARD) -> Path:
-    """Render the card and write it (parsed back first: a card that does not render is an error here).
-
-    Args:
-        params: the run's params.
-        path: where the card goes.
-
-    Returns:
-        The path written.
-    """
+    """Render the card and write it (parsed back first: a card that does not render is an error here)."""
     text = render(collect(params))
     from huggingface_hub import ModelCard
 
@@ -566,7 +547,6 @@ def publish(repo_id: str, private: bool = False) -> Any:
 
     Args:
         repo_id: <user or org>/<name>.
-        private: create the repository private.
 
     Returns:
         The hub's commit info. PublishError saying what is missing.

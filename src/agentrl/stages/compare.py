@@ -47,9 +47,6 @@ def paired_bootstrap_ci(before: list[int], after: list[int], seed: int, resample
 
     Args:
         before: 1/0 correctness per problem, before.
-        after: the same problems' correctness after.
-        seed: the resampling's seed.
-        resamples: how many bootstrap resamples.
 
     Returns:
         (low, high) of the difference in accuracy.
@@ -67,7 +64,6 @@ def paired_test(before: dict[str, bool], after: dict[str, bool], seed: int) -> d
     Args:
         before: problem id -> correct, the earlier system (e.g. SFT).
         after: problem id -> correct, the later one (e.g. GRPO).
-        seed: the bootstrap's seed.
 
     Returns:
         n, difference, only_before_correct, only_after_correct, p_value (exact McNemar), ci95 (paired bootstrap),
@@ -100,9 +96,6 @@ def read_predictions(path: str | Path, required: tuple[str, ...] = ("id", "corre
     Args:
         path: the predictions file (.jsonl or .jsonl.gz).
         required: the keys every row must have.
-
-    Returns:
-        The rows.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -126,9 +119,6 @@ def correctness(stage: str) -> dict[str, bool]:
 
     Args:
         stage: base, sft or grpo.
-
-    Returns:
-        The mapping.
     """
     return {r["id"]: bool(r["correct"]) for r in load_jsonl(Path("eval") / stage / "predictions.jsonl")}
 
@@ -139,7 +129,6 @@ def paired_by_environment(before: list[dict], after: list[dict], seed: int) -> d
     Args:
         before: the SFT predictions (`id`, `correct`, `environment`).
         after: the GRPO predictions of the same problems.
-        seed: the bootstrap's seed.
 
     Returns:
         environment -> paired_test's result on its problems plus `sft_accuracy` and `grpo_accuracy` over them;

@@ -25,10 +25,10 @@ from ..agent.rewards import build_rewards
 from ..agent.tools import toolset_from_params
 from ..answers import answers_match, extract_answer, normalize_number
 from ..common import get_logger, peak_rss_mb, torch_dtype, write_metrics
-from ..config import Params, check_imports, load_params_or_exit
+from ..config import Params, load_params_or_exit
 from ..data import load_jsonl, write_jsonl
 from ..envs.openenv_client import OpenEnvError
-from ..envs.registry import ImportPathError, episode_solved
+from ..envs.registry import ImportPathError, check_imports, episode_solved
 
 TEST = "data/prepared/test.jsonl"
 log = get_logger("eval")
@@ -50,16 +50,8 @@ def generate(
     """Completions as [[(text, n_tokens)] * num_samples] per prompt, through the tool loop (agent.py).
 
     Args:
-        model: the policy.
-        tokenizer: its tokenizer.
-        prompts: chat message lists.
         batch_size: prompts per batch.
-        max_new_tokens: the completion budget.
-        temperature: 0 is greedy.
-        top_p: nucleus sampling.
         num_samples: completions per prompt.
-        seed: the sampling seed.
-        desc: the progress-bar label.
         toolset: the tools, or None.
 
     Returns:
@@ -85,7 +77,6 @@ def wilson_interval(successes: int, trials: int, z_score: float = 1.96) -> tuple
     """The Wilson score interval of a binomial proportion (95% with the default z).
 
     Args:
-        successes: how many trials succeeded.
         trials: how many trials there were; (0, 0) when none.
         z_score: the normal quantile of the interval's confidence.
 
@@ -234,7 +225,6 @@ def score(
     `recovered_share` (solved episodes that recovered from a failed try: the feedback-use figure).
 
     Args:
-        rows: the test rows.
         samples: per row, its samples as (text, n_tokens).
         rewards: reward name -> weight (params grpo.rewards), reported as `average_reward` and per prediction.
         reward_kwargs: the reward functions' keyword arguments (params grpo.reward_kwargs).
@@ -302,9 +292,6 @@ def accuracy_by_environment(preds: list[dict]) -> dict[str, dict]:
 def final_line(text: str) -> Optional[str]:
     """The first line after the last `####` (an environment task's final answer, e.g. an expression), or None.
 
-    Args:
-        text: a completion.
-
     Returns:
         The line, or None without a `####`.
     """
@@ -352,8 +339,6 @@ def _generate_rollouts(params: Params, name: str, model, tokenizer, rows: list[d
         params: the run's params (eval, agent, environments, seed).
         name: the evaluation's name (logs and the progress bar).
         model: the policy, in eval mode.
-        tokenizer: its tokenizer.
-        rows: the test rows.
 
     Returns:
         (rollouts per row, the toolset or None when the policy has no tools).
@@ -401,7 +386,6 @@ def evaluate(
     eval/<name>/predictions.jsonl (and logs them to the trackers).
 
     Args:
-        params: the run's params.
         stage: whose model: base, sft, grpo or merged.
         name: the metrics name (default: the stage).
         quantize: none or int8 (the model is quantized before evaluation).

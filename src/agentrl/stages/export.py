@@ -44,17 +44,14 @@ GGUF_DIR = Path("models/gguf")
 
 
 class ExportVerificationError(RuntimeError):
+    """The merged model's logits differ from the adapter's beyond export.max_abs_logit_diff."""
+
     pass
 
 
 @torch.inference_mode()
 def logits(model, tokenizer, prompts: list[list[dict]]) -> torch.Tensor:
     """The model's logits on the prompts (chat-rendered, left-padded), padding positions zeroed.
-
-    Args:
-        model: the model.
-        tokenizer: its tokenizer.
-        prompts: chat message lists.
 
     Returns:
         A (prompts, tokens, vocabulary) tensor.
@@ -69,9 +66,6 @@ def logits(model, tokenizer, prompts: list[list[dict]]) -> torch.Tensor:
 def export(params: Params) -> dict:
     """The export stage: merge the GRPO adapter into the base+SFT weights, save models/merged, and verify it
     against the adapter model (logits within export.max_abs_logit_diff, greedy completions identical).
-
-    Args:
-        params: the run's params.
 
     Returns:
         The metrics written. ExportVerificationError when the check fails.
@@ -234,9 +228,6 @@ def export_gguf(merged, tokenizer, prompts: list, merged_text: list[str], params
 
 def quantized_eval(params: Params) -> dict:
     """The eval_quantized stage: models/merged evaluated in fp32 and, with export.quantize int8, in int8.
-
-    Args:
-        params: the run's params.
 
     Returns:
         metrics/quantize.json: the merged model's accuracy and samples/s and, with int8, the int8 backend,

@@ -48,7 +48,6 @@ def check_batch(params: Params, num_processes: int | None = None) -> int:
     groups of num_generations. Checked before anything loads, with the number of processes of the launch.
 
     Args:
-        params: the run's params.
         num_processes: the launch's processes (default: this launch's).
 
     Returns:
@@ -87,12 +86,7 @@ def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs
     weights of grpo.rewards.
 
     Args:
-        params: the run's params.
-        output_dir: the checkpoint directory.
         **tracking_kwargs: report_to, run_name.
-
-    Returns:
-        The GRPOConfig.
     """
     weights = [float(w) for w in params.grpo.rewards.values()]
     return training.trainer_config(params, "grpo", output_dir, reward_weights=weights, **tracking_kwargs)
@@ -101,9 +95,6 @@ def grpo_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs
 def check_generation(args) -> None:
     """TRL's vLLM rollouts (grpo.trainer.use_vllm, vllm_mode colocate | server) need CUDA and vllm: say so
     before anything loads instead of failing inside the trainer.
-
-    Args:
-        args: the GRPOConfig.
     """
     if not args.use_vllm:
         return
@@ -123,9 +114,6 @@ def starting_model(params: Params | None = None):
 
     Args:
         params: the run's params (None: the saved dtype and attention).
-
-    Returns:
-        The model.
     """
     kw = (
         {}
@@ -268,11 +256,7 @@ def merged_policy(model, plain=None):
     would leave stale.
 
     Args:
-        model: the PEFT policy.
         plain: the copy an earlier call returned, or None.
-
-    Returns:
-        The plain merged model.
     """
     import copy
     import re
@@ -316,7 +300,6 @@ def check_merged_rollouts(trainer, rollout) -> None:
     weights are sharded (DeepSpeed ZeRO-3, FSDP).
 
     Args:
-        trainer: the GRPOTrainer.
         rollout: our rollout function, or None.
     """
     if rollout is None or not rollout.merged:
@@ -342,11 +325,6 @@ def rollout_plan(params: Params, args, tok):
     agent.format chat hands the environment class to TRL's own multi-turn loop
     (GRPOTrainer(environment_factory=...), one instance per rollout); TRL's vLLM generation is used when grpo
     asks for it and no inline tool is set.
-
-    Args:
-        params: the run's params.
-        args: the GRPOConfig.
-        tok: the policy's tokenizer.
 
     Returns:
         (rollout_func or None, environment_factory or None).
@@ -469,9 +447,7 @@ def _curve_metrics(
     use at the start and end, and the rollout function's share of the time.
 
     Args:
-        history: the trainer's log history.
         rollout: our rollout function (None when TRL generates itself: vLLM or agent.format chat).
-        runtime: the training's wall time in seconds.
         completions_per_step: the generation batch (check_batch), reported with the curves.
 
     Returns:
@@ -542,7 +518,6 @@ def build_trainer(
         params, args: the run's params and its GRPOConfig.
         model, tok: the starting policy and its tokenizer (whose chat template may be swapped, baked_tool_template).
         dataset: the RL rows (a datasets.Dataset).
-        callbacks: extra TrainerCallbacks.
         plan: (rollout_func, environment_factory) instead of rollout_plan's (a benchmark's side by side).
     """
     funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
@@ -570,9 +545,6 @@ def build_trainer(
 def train(params: Params) -> dict:
     """Train the GRPO stage: TRL's GRPOTrainer over the SFT model, rollouts through our tool loop (or TRL's
     environment_factory loop for agent.format chat); saves models/grpo and metrics/grpo_train.json.
-
-    Args:
-        params: the run's params.
 
     Returns:
         The metrics written to metrics/grpo_train.json.

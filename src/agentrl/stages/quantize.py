@@ -12,12 +12,6 @@ def quantize_int8(model):
     """The one int8 path (export.quantize: int8), shared by the export stage and evaluation: bitsandbytes
     LLM.int8() on CUDA (needs `pip install bitsandbytes`; the model is saved to a scratch directory and
     loaded back 8-bit), PyTorch dynamic int8 of every Linear layer on CPU.
-
-    Args:
-        model: the fp32 model.
-
-    Returns:
-        The int8 model.
     """
     if torch.cuda.is_available():
         import tempfile
@@ -31,12 +25,6 @@ def quantize_int8(model):
 def load_quantized(path):
     """models/merged (or any saved model) in int8, through quantize_int8's backends: bitsandbytes loads it
     8-bit directly on CUDA; on CPU it is loaded and dynamically quantized.
-
-    Args:
-        path: a saved model directory.
-
-    Returns:
-        The int8 model.
     """
     if torch.cuda.is_available():
         return _bitsandbytes_int8(path)

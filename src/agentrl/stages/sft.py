@@ -29,12 +29,7 @@ def sft_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs)
     """trl.SFTConfig(**sft.trainer) plus what the stage derives (training.trainer_config).
 
     Args:
-        params: the run's params.
-        output_dir: the checkpoint directory.
         **tracking_kwargs: report_to, run_name.
-
-    Returns:
-        The SFTConfig.
     """
     return training.trainer_config(params, "sft", output_dir, **tracking_kwargs)
 
@@ -42,10 +37,6 @@ def sft_config(params: Params, output_dir: str = CHECKPOINTS, **tracking_kwargs)
 def dataset(tok, params: Params):
     """data/prepared/sft_train.jsonl tokenized segment by segment as the tool loop produces it: the tool's
     results (`24>>` after `<<48/2=`) are in the input but masked out of the loss (agent.py: sft_features).
-
-    Args:
-        tok: the base model's tokenizer.
-        params: the run's params.
 
     Returns:
         The datasets.Dataset of input_ids and completion_mask.
@@ -69,7 +60,6 @@ def check_lengths(feats: list[dict], params: Params) -> None:
 
     Args:
         feats: the tokenized examples (sft_features).
-        params: the run's params.
     """
     max_length = params.sft.trainer.get("max_length")
     if not max_length:
@@ -102,7 +92,6 @@ def check_calls(calls: list[int], rows: list[dict], params: Params) -> Optional[
     Args:
         calls: tool calls per demonstration.
         rows: the SFT rows, in the same order.
-        params: the run's params.
 
     Returns:
         The warning, or None.
@@ -124,9 +113,6 @@ def check_calls(calls: list[int], rows: list[dict], params: Params) -> Optional[
 def train(params: Params) -> dict:
     """Train the SFT stage: TRL's SFTTrainer on the tool-loop-tokenized demonstrations; saves models/sft and
     metrics/sft_train.json.
-
-    Args:
-        params: the run's params.
 
     Returns:
         The metrics written to metrics/sft_train.json.

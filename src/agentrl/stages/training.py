@@ -25,8 +25,8 @@ from ..common import (
     world_size,
     write_checkpoint_checksums,
 )
-from ..config import Params, ParamsError, check_imports, load_params_or_exit
-from ..envs.registry import ImportPathError
+from ..config import Params, ParamsError, load_params_or_exit
+from ..envs.registry import ImportPathError, check_imports
 from ..modeling import STAGE_DIRS, lora_config, save_stage_result
 from ..passthrough import PassthroughError, build_passthrough, passthrough_value
 
@@ -35,10 +35,6 @@ REPO = Path(__file__).resolve().parents[3]  # the checkout whose dvc.yaml declar
 
 def effective_batch(per_device: int, grad_accum: int) -> int:
     """Examples per optimizer step over all processes.
-
-    Args:
-        per_device: per_device_train_batch_size.
-        grad_accum: gradient_accumulation_steps.
 
     Returns:
         per_device x grad_accum x processes.
@@ -52,11 +48,7 @@ def learning_rate(params: Params, stage: str) -> float:
     TRL defaults for what the section leaves out) against distributed.reference_batch.
 
     Args:
-        params: the run's params.
         stage: sft or grpo.
-
-    Returns:
-        The learning rate the trainer gets.
     """
     path, trainer, distributed = f"{stage}.trainer", getattr(params, stage).trainer, params.distributed
     lr = passthrough_value(path, trainer, "learning_rate")
@@ -77,9 +69,7 @@ def trainer_config(params: Params, stage: str, output_dir: str, **derived):
     the scaled learning rate, seed/data_seed, the precision flags and `derived` (tracking arguments, ...).
 
     Args:
-        params: the run's params.
         stage: sft or grpo.
-        output_dir: the checkpoint directory.
         **derived: further derived arguments (tracking, GRPO's reward_weights).
 
     Returns:
@@ -100,7 +90,6 @@ def peft_config(params: Params, stage: str):
     """peft.LoraConfig(**<stage>.lora), or None when <stage>.use_lora is false (all weights train).
 
     Args:
-        params: the run's params.
         stage: sft or grpo.
 
     Returns:
@@ -111,13 +100,12 @@ def peft_config(params: Params, stage: str):
 
 
 def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
-    """The imports params name (config.check_imports), seed, CPU threads and tracking, then the stage's TRL config
+    """The imports params name (registry.check_imports), seed, CPU threads and tracking, then the stage's TRL config
     `config(params, report_to=, run_name=)`; returns it with the tracking callbacks. The config comes before any
     work: it stops on a bad value, and it registers the DeepSpeed config, so the model created next is
     ZeRO-3-partitioned (zero3_init_flag) in its target dtype.
 
     Args:
-        params: the run's params.
         stage: sft or grpo.
         config: sft_config or grpo_config.
 
@@ -157,10 +145,6 @@ def code_digest(stage: str, root: Path) -> dict[str, str]:
     """Digest of each file of the code stage `stage` runs: its deps under src/ in `root`/dvc.yaml (modules, and every
     file of a package directory but its __pycache__). Editing any other module (serve.py, ...) keeps the
     stage's checkpoint resumable, as it keeps DVC's stage up to date.
-
-    Args:
-        stage: the dvc.yaml stage.
-        root: the repository root.
 
     Returns:
         path -> digest of each such file.
@@ -202,9 +186,6 @@ def run_environment_digest(params: Params) -> dict:
     the fingerprint, `make repro` followed by `make train-zero2 NPROC=2` trains from scratch instead of
     "resuming" a single-process checkpoint that DeepSpeed cannot load.
 
-    Args:
-        params: the run's params.
-
     Returns:
         The launch's description, as JSON-able values.
     """
@@ -226,14 +207,7 @@ def run_environment_digest(params: Params) -> dict:
 
 
 def fingerprint(*parts: Any) -> str:
-    """One short digest of JSON-able parts (the resume fingerprint).
-
-    Args:
-        *parts: the values the fingerprint covers.
-
-    Returns:
-        A hex digest.
-    """
+    """One short digest of JSON-able parts (the resume fingerprint)."""
     import hashlib
 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -263,7 +237,6 @@ def resume_checkpoint(args, params: Params, stage: str, *inputs: Any) -> Optiona
 
     Args:
         args: the stage's TRL config (output_dir, save_only_model).
-        params: the run's params.
         stage: sft or grpo.
         *inputs: what the run trains on: params sections and digests of its data and models.
 
@@ -285,9 +258,6 @@ def checkpoint_step(checkpoint: Optional[str | Path]) -> int:
 
     Args:
         checkpoint: a checkpoint folder (checkpoint-<step>), or None.
-
-    Returns:
-        The step.
     """
     if not checkpoint:
         return 0
@@ -302,7 +272,6 @@ def train(trainer, resume: Optional[str]) -> tuple[Any, dict]:
     (steps, time, the steps and time of this run's own segment when it resumed, learning rate, launch).
 
     Args:
-        trainer: the stage's TRL trainer.
         resume: the checkpoint to resume from, or None.
 
     Returns:
@@ -357,14 +326,8 @@ def save(trainer, tokenizer, stage: str, metrics_path: str, metrics: dict) -> di
     """models/<stage>/ (model or adapter, tokenizer) and the metrics with the process's peak memory.
 
     Args:
-        trainer: the trained TRL trainer.
-        tokenizer: the tokenizer saved with the model.
         stage: sft or grpo.
         metrics_path: where the metrics go (metrics/<stage>_train.json).
-        metrics: the stage's metrics.
-
-    Returns:
-        The metrics written.
     """
     metrics["peak_rss_mb"] = peak_rss_mb()
     save_stage_result(trainer, tokenizer, STAGE_DIRS[stage], metrics_path, metrics)
@@ -379,7 +342,6 @@ def main(stage: str, train_stage: Callable[[Params], dict], *errors: type[Except
     Args:
         stage: sft or grpo (the logger's name).
         train_stage: the stage's train(params).
-        *errors: the stage's own configuration errors.
     """
     params = load_params_or_exit()
     try:
