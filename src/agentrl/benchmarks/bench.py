@@ -257,7 +257,7 @@ def _grpo_and_loop_rows(res: dict, params) -> list[str]:
     g, loop, n, mm = res["grpo"], res["tool_loop"], res["eval_problems"], median_range
     return [
         f"| GRPO optimizer step | {mm(g['seconds_per_step'])} s, {g['completions_per_step']} completions | "
-        "GRPOTrainer with params.yaml's config, steps 3–12 |",
+        "the grpo stage's trainer (grpo.build_trainer) with params.yaml's config, steps 3–12 |",
         f"| GRPO share of a step spent generating | {mm(g['generation_share'], '{:.2f}')} | rollout time / step time |",
         f"| GRPO rollout tokens/s | {mm(g['rollout_tokens_per_second'], '{:.0f}')} | "
         "tokens the policy sampled / rollout time (tool loop) |",

@@ -1,7 +1,7 @@
 """Trainer step timings (`make bench`, `make bench-tools`, `make bench-repro`, `scripts/bench.py --merged-rollouts`):
-SFTTrainer steps each paired with a plain PyTorch step on the same batch, short GRPOTrainer runs timed per step
-(with the project's rollout function, or any rollout path through the trainer's `_generate`), and what
-grpo.merged_rollouts saves."""
+SFTTrainer steps each paired with a plain PyTorch step on the same batch, short runs of the grpo stage's trainer
+timed per step (with the project's rollout function, or any rollout path through the trainer's `_generate`), and
+what grpo.merged_rollouts saves."""
 
 from __future__ import annotations
 
@@ -324,8 +324,8 @@ def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, plan: tu
 
 def merged_rollouts_cost(params, repeats: int, steps: int) -> dict:
     """`scripts/bench.py --merged-rollouts`: what grpo.merged_rollouts saves, on the workspace's params and models.
-    One GRPOTrainer run per repeat whose steps alternate between sampling from the PEFT model and from the merged
-    copy (the same machine state for both sides) -> metrics/bench_merged_rollouts.json, and a summary printed.
+    One run of the stage's trainer per repeat whose steps alternate between sampling from the PEFT model and from
+    the merged copy (the same machine state for both sides) -> metrics/bench_merged_rollouts.json, a summary printed.
 
     Args:
         params: the validated params (grpo.use_lora must be true).
