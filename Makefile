@@ -146,6 +146,11 @@ exps: setup ## experiments with the headline columns only (100 columns wide)
 wandb-report: setup ## dvc.yaml's plots and the report's columns as a W&B Report (WANDB_API_KEY)
 	python scripts/wandb_report.py $(if $(GROUP),--group $(GROUP))
 
+# One workspace experiment, e.g. make exp DVC_EXP_ARGS="-n lr3e-4 -S grpo.trainer.learning_rate=3e-4": refused at
+# once while another run holds the workspace, and without DVC's shutdown noise (docs/experiments.md).
+exp: setup ## a workspace dvc exp run with DVC_EXP_ARGS (-n NAME -S key=value ...), guarded
+	python scripts/workspace_run.py dvc exp run $(DVC_EXP_ARGS)
+
 # Run the pipeline (sft and grpo under `accelerate launch`, then evaluation) with NPROC processes.
 # A workspace `dvc exp run`: the chosen config is recorded in params.yaml and the experiment.
 train-ddp: ACCEL = ddp

@@ -79,3 +79,14 @@ def test_make_exps_prints_the_headline_in_100_columns_with_p_in_scientific_notat
     changed = text.split("params changed from the baseline:")[1]
     assert "grpo.trainer.beta=0.04" in changed and "grpo.trainer.learning_rate=0.001" in changed
     assert "seed=43" in changed and "seed=44" in changed
+
+
+def test_make_exp_runs_dvc_through_the_workspace_guard():
+    """`make exp` is a workspace `dvc exp run` through scripts/workspace_run.py: refused while another run holds the
+    workspace (tests/test_exp_queue.py) and DVC run by experiments.queue.dvc_command (no shutdown noise)."""
+    out = subprocess.run(
+        ["make", "-n", "--no-print-directory", "exp", 'DVC_EXP_ARGS=-n lr3 -S seed=7'],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "python scripts/workspace_run.py dvc exp run -n lr3 -S seed=7" in out.stdout, out.stdout
