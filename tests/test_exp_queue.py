@@ -211,7 +211,7 @@ def test_a_workspace_run_through_our_launcher_ends_without_dulwich_noise(tmp_pat
     ... sys.meta_path is None`: DVC 3.67.1 reopens the experiment's git repository after closing it and never closes
     it, and when the collector first meets it during interpreter shutdown dulwich's __del__ fails. Here the collector
     is off in the DVC process, which makes that deterministic: bare DVC prints the noise (the test can fail), the
-    command our entry points run (queue.dvc_command: make repro, train-*, recipe, sweep workers) does not."""
+    command our entry points run (queue.dvc_command: make exp, repro, train-*, recipe) does not."""
     (tmp_path / "params.yaml").write_text("x: 1\n")
     (tmp_path / "dvc.yaml").write_text(
         "stages:\n  s:\n    cmd: echo done > out.txt\n    params: [x]\n    outs: [out.txt]\n"

@@ -38,7 +38,7 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
-from agentrl.experiments.queue import check_search_name, dvc_command
+from agentrl.experiments.queue import check_search_name
 from agentrl.experiments.share import git_remote_url
 from agentrl.experiments.sweep import SEARCHED, load_space, pick, set_args, suggest
 
@@ -363,7 +363,7 @@ def trial_objective(a, study, space: dict, target: int, mine: list[int]) -> Call
         started = time.time()
         cmd = ["dvc", "exp", "run", "--name", exp, *set_args(point)]
         print("+", " ".join(cmd), flush=True)
-        if rc := subprocess.run(dvc_command(cmd[1:])).returncode:
+        if rc := subprocess.run(cmd).returncode:
             raise TrialError(f"{' '.join(cmd)} exited {rc}")
         value = read_objective(exp, obj)
         trial.set_user_attr("seconds", round(time.time() - started, 1))
