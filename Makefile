@@ -250,6 +250,11 @@ bench: setup ## benchmarks: step times, memory, tool loop, serving (metrics/benc
 bench-real: setup-gguf ## SmolLM2 decoding vs this machine's roofline (BENCHMARKS-real.md)
 	python scripts/bench_real.py
 
+# A training step (tiny default, SmolLM2 LoRA) alone vs beside one CPU-bound process, per OpenMP spin setting.
+.PHONY: bench-shared
+bench-shared: setup-gguf ## a training step alone vs beside a busy process, per OpenMP setting
+	python scripts/bench_real.py --shared
+
 bench-tools: setup-openenv ## the tool loop vs plain generate, the decode ceiling and TRL's env loop
 	python scripts/bench.py --tools-only
 

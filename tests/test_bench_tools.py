@@ -181,3 +181,22 @@ def test_bench_table_appends_the_mfu_columns_and_keeps_the_others():
     assert out[0] == "| SFT step, ours | 0.5 s | how | 1.23e+04 | 1.23% |"
     assert out[1] == "| eval sft speed-up | 9× | x |  |  |"
     assert out[2:] == lines[2:]
+
+
+def test_shared_machine_step_times_a_step_alone_and_beside_a_busy_process(capsys):
+    """`make bench-shared`'s child (run in-process here, one step each): the tiny default's training step timed
+    alone and with a `while True` process started and ended around the second timing; the table has its row."""
+    import json
+
+    import psutil
+
+    from agentrl.benchmarks.training import shared_machine_table, step_beside_a_competitor
+
+    before = {p.pid for p in psutil.Process().children()}
+    out = step_beside_a_competitor("tiny", "1", "1")
+    assert out["alone_s"] > 0 and out["shared_s"] > 0 and out["slowdown"] == out["shared_s"] / out["alone_s"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+    assert {p.pid for p in psutil.Process().children()} == before, "the competitor was left running"
+    row = {"model": "tiny", "setting": "one thread", "threads": 1, "spin_count": "1000", **out}
+    table = shared_machine_table({"machine": "cpu", "steps": 1, "rows": [row]})
+    assert f"| tiny | one thread | 1 | 1000 | {out['alone_s']:.3f} |" in table

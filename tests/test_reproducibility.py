@@ -222,3 +222,20 @@ def test_compare_locks_reads_an_experiments_lock(tmp_path):
     assert r.returncode == 0 and "same  models/sft" in r.stdout, r.stdout + r.stderr
     r = _compare("exp:nope", lock, cwd=repo)
     assert r.returncode and "no experiment named 'nope'" in r.stderr, r.stderr
+
+
+def test_importing_agentrl_sets_a_short_openmp_spin_unless_the_user_set_one(tmp_path):
+    """agentrl/__init__.py sets GOMP_SPINCOUNT (libgomp, torch's OpenMP on Linux, reads it when torch loads) before
+    torch starts, so a stage's idle threads sleep soon instead of spinning on cores another process needs
+    (`make bench-shared` measures the effect); a value in the environment is kept."""
+    import os
+
+    import agentrl
+
+    code = "import os, agentrl, torch; print(os.environ['GOMP_SPINCOUNT'], torch.get_num_threads() >= 1)"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.stdout.split() == [agentrl.SPIN_COUNT, "True"], run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "GOMP_SPINCOUNT": "77"},
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.stdout.split() == ["77", "True"], run.stderr[-2000:]

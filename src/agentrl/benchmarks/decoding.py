@@ -362,7 +362,18 @@ def bench_real_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--shared", action="store_true", help="instead: a training step alone vs beside a busy process, per OpenMP "
+        "setting (`make bench-shared`, metrics/bench_shared.json)"
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.shared:
+        from .training import shared_machine_steps, shared_machine_table
+
+        result = shared_machine_steps()
+        Path("metrics/bench_shared.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(shared_machine_table(result))
+        return
     result = bench_real(args.batches, args.new_tokens, args.repeats)
     OUT_JSON.write_text(json.dumps(result, indent=2) + "\n")
     OUT_MD.write_text(real_model_table(result))

@@ -361,3 +361,113 @@ def merged_rollouts_cost(params, repeats: int, steps: int) -> dict:
         "  -> metrics/bench_merged_rollouts.json"
     )
     return res
+
+
+# ---------------------------------------------------------------------------------- a machine shared with another job
+# (label, torch threads, GOMP_SPINCOUNT): libgomp's own default when OMP_WAIT_POLICY is unset, agentrl's (set in
+# agentrl/__init__.py), threads that sleep at once, and one thread
+SHARED_SETTINGS = (
+    ("libgomp default", 2, "300000"),
+    ("agentrl default", 2, "1000"),
+    ("passive", 2, "0"),
+    ("one thread", 1, "1000"),
+)
+SHARED_CHILD = "import sys; from agentrl.benchmarks.training import step_beside_a_competitor as f; f(*sys.argv[1:])"
+
+
+def _training_step(model_name: str):
+    """A zero-argument training step of `model_name`: the tiny default (full weights, 32 x 128 tokens, SFT's batch)
+    or SmolLM2-135M-Instruct from its GGUF (LoRA r=16 on every linear layer, 4 x 128 tokens)."""
+    import yaml
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    if model_name == "tiny":
+        tiny = yaml.safe_load(open("params.yaml"))["model"]["tiny"]
+        model, batch = Qwen3ForCausalLM(Qwen3Config(**tiny)), (32, 128)
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        from ..gguf_files import load_plain, locate
+        from .decoding import SMOLLM2
+
+        model = get_peft_model(load_plain(locate(SMOLLM2))[0], LoraConfig(r=16, target_modules="all-linear"))
+        batch = (4, 128)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, batch)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def step_beside_a_competitor(model_name: str, threads: str, steps: str) -> dict:
+    """(A child of shared_machine_steps, its OpenMP settings in its environment.) The median seconds of a training
+    step alone, then beside a process that keeps one core busy (`while True: pass`); printed as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    torch.set_num_threads(int(threads))
+    step, n = _training_step(model_name), int(steps)
+
+    def median_seconds() -> float:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    step()  # warm-up
+    alone = median_seconds()
+    competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        shared = median_seconds()
+    finally:
+        competitor.kill()
+        competitor.wait()
+    out = {"alone_s": alone, "shared_s": shared, "slowdown": shared / alone}
+    print(json.dumps(out))
+    return out
+
+
+def shared_machine_steps(models: tuple[str, ...] = ("tiny", "smollm2"), steps: int = 7) -> dict:
+    """`make bench-shared`: per model and OpenMP setting (SHARED_SETTINGS), a training step's median seconds alone
+    and beside one CPU-bound process, each setting in a fresh process (libgomp reads GOMP_SPINCOUNT when it loads)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    rows = []
+    for model_name in models:
+        for label, threads, spin in SHARED_SETTINGS:
+            env = {**os.environ, "GOMP_SPINCOUNT": spin}
+            argv = [sys.executable, "-c", SHARED_CHILD, model_name, str(threads), str(steps)]
+            out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append({"model": model_name, "setting": label, "threads": threads, "spin_count": spin, **result})
+            print(f"{model_name:8} {label:16} {result['alone_s']:.3f} s alone, {result['shared_s']:.3f} s shared")
+    return {"machine": machine(), "steps": steps, "rows": rows}
+
+
+def shared_machine_table(result: dict) -> str:
+    """docs/benchmarks.md's table of shared_machine_steps."""
+    lines = [
+        f"{result['machine']}; median of {result['steps']} steps each, one run, nothing else on the machine but the "
+        "competitor.",
+        "",
+        "| model | setting | threads | GOMP_SPINCOUNT | alone s/step | beside a busy process | slowdown |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['setting']} | {r['threads']} | {r['spin_count']} | {r['alone_s']:.3f} | "
+            f"{r['shared_s']:.3f} | {r['slowdown']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
