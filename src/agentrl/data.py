@@ -307,6 +307,7 @@ def _json_row(text: str, source: str, line: int) -> object:
 
     Args:
         source: the file, as a BadRow names it.
+        line: its 1-based line number.
 
     Returns:
         The decoded value, or a BadRow (invalid_json) naming file, line and what is wrong.

@@ -51,6 +51,7 @@ def generate(
 
     Args:
         batch_size: prompts per batch.
+        temperature: 0 is greedy.
         num_samples: completions per prompt.
         toolset: the tools, or None.
 
