@@ -370,7 +370,7 @@ def bench_real_main(argv: list[str] | None = None) -> None:
     if args.shared:
         from .training import shared_machine_steps, shared_machine_table
 
-        result = shared_machine_steps()
+        result = shared_machine_steps({"tiny": "tiny", "smollm2": SMOLLM2})
         Path("metrics/bench_shared.json").write_text(json.dumps(result, indent=2) + "\n")
         print(shared_machine_table(result))
         return

@@ -375,36 +375,35 @@ SHARED_SETTINGS = (
 SHARED_CHILD = "import sys; from agentrl.benchmarks.training import step_beside_a_competitor as f; f(*sys.argv[1:])"
 
 
-def _training_step(model_name: str):
-    """A zero-argument training step of `model_name`: the tiny default (full weights, 32 x 128 tokens, SFT's batch)
-    or SmolLM2-135M-Instruct from its GGUF (LoRA r=16 on every linear layer, 4 x 128 tokens)."""
+def _training_step(model: str):
+    """A zero-argument training step of `model`: "tiny", the default (full weights, 32 x 128 tokens, SFT's batch),
+    or a GGUF file spec such as decoding.SMOLLM2 (LoRA r=16 on every linear layer, 4 x 128 tokens)."""
     import yaml
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    if model_name == "tiny":
+    if model == "tiny":
         tiny = yaml.safe_load(open("params.yaml"))["model"]["tiny"]
-        model, batch = Qwen3ForCausalLM(Qwen3Config(**tiny)), (32, 128)
+        net, batch = Qwen3ForCausalLM(Qwen3Config(**tiny)), (32, 128)
     else:
         from peft import LoraConfig, get_peft_model
 
         from ..gguf_files import load_plain, locate
-        from .decoding import SMOLLM2
 
-        model = get_peft_model(load_plain(locate(SMOLLM2))[0], LoraConfig(r=16, target_modules="all-linear"))
+        net = get_peft_model(load_plain(locate(model))[0], LoraConfig(r=16, target_modules="all-linear"))
         batch = (4, 128)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, model.config.vocab_size, batch)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, net.config.vocab_size, batch)
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        net(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
 
     return step
 
 
-def step_beside_a_competitor(model_name: str, threads: str, steps: str) -> dict:
+def step_beside_a_competitor(model: str, threads: str, steps: str) -> dict:
     """(A child of shared_machine_steps, its OpenMP settings in its environment.) The median seconds of a training
     step alone, then beside a process that keeps one core busy (`while True: pass`); printed as JSON."""
     import json
@@ -412,7 +411,7 @@ def step_beside_a_competitor(model_name: str, threads: str, steps: str) -> dict:
     import sys
 
     torch.set_num_threads(int(threads))
-    step, n = _training_step(model_name), int(steps)
+    step, n = _training_step(model), int(steps)
 
     def median_seconds() -> float:
         times = []
@@ -436,23 +435,24 @@ def step_beside_a_competitor(model_name: str, threads: str, steps: str) -> dict:
     return out
 
 
-def shared_machine_steps(models: tuple[str, ...] = ("tiny", "smollm2"), steps: int = 7) -> dict:
-    """`make bench-shared`: per model and OpenMP setting (SHARED_SETTINGS), a training step's median seconds alone
-    and beside one CPU-bound process, each setting in a fresh process (libgomp reads GOMP_SPINCOUNT when it loads)."""
+def shared_machine_steps(models: dict[str, str], steps: int = 7) -> dict:
+    """`make bench-shared`: per model (label -> "tiny" or a GGUF spec) and OpenMP setting (SHARED_SETTINGS), a
+    training step's median seconds alone and beside one CPU-bound process, each setting in a fresh process (libgomp
+    reads GOMP_SPINCOUNT when it loads)."""
     import json
     import os
     import subprocess
     import sys
 
     rows = []
-    for model_name in models:
-        for label, threads, spin in SHARED_SETTINGS:
+    for label, model in models.items():
+        for setting, threads, spin in SHARED_SETTINGS:
             env = {**os.environ, "GOMP_SPINCOUNT": spin}
-            argv = [sys.executable, "-c", SHARED_CHILD, model_name, str(threads), str(steps)]
+            argv = [sys.executable, "-c", SHARED_CHILD, model, str(threads), str(steps)]
             out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
             result = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append({"model": model_name, "setting": label, "threads": threads, "spin_count": spin, **result})
-            print(f"{model_name:8} {label:16} {result['alone_s']:.3f} s alone, {result['shared_s']:.3f} s shared")
+            rows.append({"model": label, "setting": setting, "threads": threads, "spin_count": spin, **result})
+            print(f"{label:8} {setting:16} {result['alone_s']:.3f} s alone, {result['shared_s']:.3f} s shared")
     return {"machine": machine(), "steps": steps, "rows": rows}
 
 
