@@ -303,8 +303,8 @@ def test_an_environment_too_large_to_generate_is_refused_before_the_run(repo, fa
     ov = {
         "agent.environment": "gymnasium",
         "agent.tools": [],
-        # slippery: a deterministic map fails on its own ("only 0 distinct train episodes") in ~12 s here, a race
-        # with the 12 s cap; a slippery one is still searching for episodes at 27 s (it fails later)
+        # slippery: a deterministic map fails on its own ("only 0 distinct train episodes") in ~12 s on an AMD EPYC
+        # Zen 4, a race with the 12 s cap; a slippery one is still searching for episodes there at 27 s
         "environments.gymnasium": {**knobs, "env_kwargs": {"desc": big_map, "is_slippery": True}},
     }
     err = refused(run(repo, ov, name="probe2"), "too_costly", "environments.gymnasium")

@@ -5,9 +5,14 @@ what grpo.merged_rollouts saves."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -383,7 +388,7 @@ def _training_step(model: str):
 
     torch.manual_seed(0)
     if model == "tiny":
-        tiny = yaml.safe_load(open("params.yaml"))["model"]["tiny"]
+        tiny = yaml.safe_load(Path("params.yaml").read_text())["model"]["tiny"]
         net, batch = Qwen3ForCausalLM(Qwen3Config(**tiny)), (32, 128)
     else:
         from peft import LoraConfig, get_peft_model
@@ -406,10 +411,6 @@ def _training_step(model: str):
 def step_beside_a_competitor(model: str, threads: str, steps: str) -> dict:
     """(A child of shared_machine_steps, its OpenMP settings in its environment.) The median seconds of a training
     step alone, then beside a process that keeps one core busy (`while True: pass`); printed as JSON."""
-    import json
-    import subprocess
-    import sys
-
     torch.set_num_threads(int(threads))
     step, n = _training_step(model), int(steps)
 
@@ -439,11 +440,6 @@ def shared_machine_steps(models: dict[str, str], steps: int = 7) -> dict:
     """`make bench-shared`: per model (label -> "tiny" or a GGUF spec) and OpenMP setting (SHARED_SETTINGS), a
     training step's median seconds alone and beside one CPU-bound process, each setting in a fresh process (libgomp
     reads GOMP_SPINCOUNT when it loads)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     rows = []
     for label, model in models.items():
         for setting, threads, spin in SHARED_SETTINGS:

@@ -52,7 +52,7 @@ class Member:
     env: dict
 
 
-def _check_knobs(where: str, task: str, knobs: dict) -> None:
+def _check_knobs(where: str, task: str, knobs: dict) -> tuple[dict, dict]:
     """A member's knobs checked as its task's own section would be: names, types, the task's `check_knobs` and the
     runtime values its episode class accepts.
 
@@ -60,6 +60,9 @@ def _check_knobs(where: str, task: str, knobs: dict) -> None:
         where: `environments.mixture.members.<name>`, what an error names.
         task: the member's task (a TASKS key).
         knobs: the member's knobs as written; ValueError naming `<where>.knobs.<knob>` when one is wrong.
+
+    Returns:
+        (generation knobs, runtime knobs), split_knobs' split.
     """
     module = TASKS[task]
     defaults = {**module.GEN_DEFAULTS, **module.ENV_DEFAULTS}
@@ -83,6 +86,7 @@ def _check_knobs(where: str, task: str, knobs: dict) -> None:
         ENVIRONMENTS[task](**env)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}.knobs: {e}") from None
+    return gen, env
 
 
 def _member(name, spec) -> Member:
@@ -115,8 +119,7 @@ def _member(name, spec) -> Member:
     knobs = spec.get("knobs") or {}
     if not isinstance(knobs, dict):
         raise ValueError(f"{where}.knobs: expected a mapping of {task}'s knobs, got {knobs!r:.80}")
-    _check_knobs(where, task, knobs)
-    gen, env = split_knobs(TASKS[task], knobs)
+    gen, env = _check_knobs(where, task, knobs)
     return Member(name, task, float(share), gen, env)
 
 

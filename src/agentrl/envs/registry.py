@@ -1,6 +1,6 @@
 """Params to environments, in one place: `environment_spec` resolves `agent.environment` + `environments` into
 what config validation, `prepare`, the tool loop and the OpenEnv server use (the task module, its generation and
-runtime knobs, a mixture's members); the checks of names and knobs that params validation runs; the two rules of
+runtime knobs); the checks of names and knobs that params validation runs; the two rules of
 calling an environment that the tool loop and the OpenEnv server (serving/openenv_server.py) share: call_tool and
 episode_solved. The tables of names are envs/tasks.py's.
 """
@@ -102,7 +102,6 @@ class EnvironmentSpec:
     knobs: dict  # environments.<name> as written (num_train, num_test, generation and runtime knobs)
     gen: dict  # the generation knobs: task.make_rows(**gen)
     env: dict  # the runtime knobs: the episode class's constructor arguments (a mixture's: {"members": ...})
-    members: tuple = ()  # a mixture's mixture.Members (each with its task, share, generation and runtime knobs)
 
 
 def environment_spec(name: Optional[str], environments: Optional[dict]) -> EnvironmentSpec:
@@ -124,8 +123,7 @@ def environment_spec(name: Optional[str], environments: Optional[dict]) -> Envir
         raise ValueError(f"agent.environment '{name}' generates its rows from environments.{name}: add that section")
     knobs = dict(environments[name] or {})
     gen, env = split_knobs(task, knobs)
-    members = tuple(mixture.parse_members(knobs.get("members"))) if name == MIXTURE else ()
-    return EnvironmentSpec(name, task, knobs, gen, env, members)
+    return EnvironmentSpec(name, task, knobs, gen, env)
 
 
 class ImportPathError(ValueError):
