@@ -693,6 +693,7 @@ def test_merged_rollouts_are_refused_with_sharded_weights(fsdp, deepspeed, stage
         is_fsdp_enabled=fsdp,
         is_deepspeed_enabled=deepspeed,
         accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+        model=torch.nn.Linear(2, 2),
     )
     check_merged_rollouts(trainer, ToolRollout(None))  # off: nothing to refuse
     if refused:
@@ -700,6 +701,26 @@ def test_merged_rollouts_are_refused_with_sharded_weights(fsdp, deepspeed, stage
             check_merged_rollouts(trainer, ToolRollout(None, merged=True))
     else:
         check_merged_rollouts(trainer, ToolRollout(None, merged=True))
+
+
+@pytest.mark.parametrize("dtype, refused", [(torch.float32, False), (torch.bfloat16, True)])
+def test_onednn_rollouts_are_refused_before_the_first_step_where_they_cannot_run(dtype, refused):
+    """grpo.rollout_linear_kernels onednn packs fp32 weights on the CPU: a bf16 (or GPU) policy is refused by
+    check_merged_rollouts, before the first step, instead of failing at the first rollout."""
+    from agentrl.stages.grpo import GRPOSettingsError, ToolRollout, check_merged_rollouts
+
+    trainer = SimpleNamespace(
+        is_fsdp_enabled=False, is_deepspeed_enabled=False, model=torch.nn.Linear(2, 2).to(dtype),
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)),
+    )  # fmt: skip
+    check_merged_rollouts(trainer, ToolRollout(None, merged=True))  # aten: any dtype
+    if refused:
+        with pytest.raises(
+            GRPOSettingsError, match="rollout_linear_kernels: onednn runs fp32 .* torch.bfloat16 on cpu"
+        ):
+            check_merged_rollouts(trainer, ToolRollout(None, merged=True, kernels="onednn"))
+    else:
+        check_merged_rollouts(trainer, ToolRollout(None, merged=True, kernels="onednn"))
 
 
 def test_merged_rollouts_are_refused_where_they_would_not_run():

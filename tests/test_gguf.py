@@ -359,7 +359,8 @@ def test_bench_real_times_every_decoder_on_the_same_greedy_tokens_and_renders_th
     assert wrong["same_greedy_tokens"] is False and wrong["max_logprob_diff"] > 1e-2
     row = {
         "batch": 16, "generate": 31.0, "forward_loop": 85.0, "onednn_generate": 62.0, "onednn_forward_loop": 85.0,
-        "onednn_generate_speedup": 1.96, "roofline": 170.0, "bound": "memory", "same_greedy_tokens": True, "max_logprob_diff": 2.5e-6,
+        "onednn_generate_speedup": 1.96, "roofline": 170.0, "bound": "memory", "same_greedy_tokens": True,
+        "max_logprob_diff": 2.5e-6,
     }  # fmt: skip
     result = {
         "machine": "cpu",

@@ -178,7 +178,7 @@ class GRPOParams(Strict):
     lora: dict[str, Any]  # -> peft.LoraConfig(**lora)
     merged_rollouts: StrictBool  # the tool loop samples from a plain copy with the LoRA merged in (grpo.ToolRollout)
     # the merged copy's Linear kernels on the CPU: aten | onednn (agent/linear_kernels.py)
-    rollout_linear_kernels: Literal["aten", "onednn"] = "aten"
+    rollout_linear_kernels: Literal["aten", "onednn"]
     trainer: dict[str, Any]  # -> trl.GRPOConfig(**trainer) plus the derived values (DERIVED)
     rewards: dict[str, float]  # name (or module:function) -> weight; the weights become GRPOConfig.reward_weights
     reward_kwargs: RewardKwargs
@@ -216,7 +216,7 @@ class EvalParams(Strict):
     temperature: float = Field(ge=0, le=100)
     top_p: float = Field(gt=0, le=1)
     samples_per_problem: int = Field(ge=1, le=1024)
-    linear_kernels: Literal["aten", "onednn"] = "aten"  # the evaluated model's Linear kernels on the CPU
+    linear_kernels: Literal["aten", "onednn"]  # the evaluated model's Linear kernels on the CPU
 
     @model_validator(mode="after")
     def _sampling(self) -> "EvalParams":

@@ -306,11 +306,14 @@ def merged_policy(model, plain=None):
 
 def check_merged_rollouts(trainer, rollout) -> None:
     """grpo.merged_rollouts copies the whole policy on each process: refused, before the first step, where the
-    weights are sharded (DeepSpeed ZeRO-3, FSDP).
+    weights are sharded (DeepSpeed ZeRO-3, FSDP); its onednn kernels (grpo.rollout_linear_kernels) where the policy
+    is not fp32 on the CPU.
 
     Args:
         rollout: our rollout function, or None.
     """
+    import torch
+
     if rollout is None or not rollout.merged:
         return
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
@@ -320,6 +323,12 @@ def check_merged_rollouts(trainer, rollout) -> None:
         raise GRPOSettingsError(
             "grpo.merged_rollouts copies the whole policy on each process; with sharded weights (DeepSpeed ZeRO-3, "
             "FSDP) set it to false"
+        )
+    weight = next(trainer.model.parameters())
+    if rollout.kernels == "onednn" and (weight.device.type != "cpu" or weight.dtype != torch.float32):
+        raise GRPOSettingsError(
+            f"grpo.rollout_linear_kernels: onednn runs fp32 weights on the CPU; the policy is {weight.dtype} on "
+            f"{weight.device.type} (set rollout_linear_kernels: aten)"
         )
 
 
