@@ -579,15 +579,12 @@ def test_merged_policy_is_the_adapter_merged_and_follows_its_training(tiny):
     assert all(torch.equal(p, base[n]) for n, p in peft.named_parameters() if "lora_" not in n)
 
 
-def test_merged_rollouts_sample_what_the_adapter_samples(tiny):
-    """ToolRollout(merged=True) generates from the merged copy: countdown episodes sampled with the same seed have
-    the PEFT model's completion ids and env_mask, which are not the base model's (the adapter changes what is
-    sampled)."""
+def _adapted_countdown(tiny):
+    """(tokenizer, base model, PEFT model whose LoRA B matrices are drawn (the adapter changes what is sampled),
+    countdown toolset, sample(rollout, model) -> the rollout's output for 4 countdown rows with seed 7)."""
     import copy
 
     from peft import LoraConfig, get_peft_model
-
-    from agentrl.stages.grpo import ToolRollout
 
     tok, model, _ = tiny
     peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
@@ -605,6 +602,16 @@ def test_merged_rollouts_sample_what_the_adapter_samples(tiny):
         rollout.batch_rows = rows
         return rollout(prompts, _rollout_trainer(m, tok, 1.0, 24))
 
+    return tok, model, peft, ts, sample
+
+
+def test_merged_rollouts_sample_what_the_adapter_samples(tiny):
+    """ToolRollout(merged=True) generates from the merged copy: countdown episodes sampled with the same seed have
+    the PEFT model's completion ids and env_mask, which are not the base model's (the adapter changes what is
+    sampled)."""
+    from agentrl.stages.grpo import ToolRollout
+
+    tok, model, peft, ts, sample = _adapted_countdown(tiny)
     adapter, bare = sample(ToolRollout(ts), peft), sample(ToolRollout(ts), model)
     merged = ToolRollout(ts, merged=True)
     out = sample(merged, peft)
@@ -617,30 +624,11 @@ def test_onednn_rollouts_sample_what_the_adapter_samples_and_follow_its_training
     """grpo.rollout_linear_kernels onednn: ToolRollout packs the merged copy's Linear layers once (rollout_plan
     hands it the knob) and the countdown episodes it samples with a seed are the PEFT model's; after the adapter
     changes (a training step), the next rollout's copy computes the new weights (merged_policy repacks them)."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
     from agentrl.agent.linear_kernels import OneDNNLinear
     from agentrl.config import validate_params
     from agentrl.stages.grpo import ToolRollout, rollout_plan
 
-    tok, model, _ = tiny
-    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(1)
-    for n, p in peft.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.2)
-    ts = make_toolset(None, "inline", max_calls=3, environment="countdown", eos_token=tok.eos_token)
-    rows = env_rows("countdown", 4, seed=5)
-    prompts = [prompt_of(r["question"]) for r in rows]
-    rows = [{**r, "prompt": p} for r, p in zip(rows, prompts)]
-
-    def sample(rollout, m):
-        torch.manual_seed(7)
-        rollout.batch_rows = rows
-        return rollout(prompts, _rollout_trainer(m, tok, 1.0, 24))
-
+    tok, _, peft, ts, sample = _adapted_countdown(tiny)
     p = mini_params()
     p["grpo"].update(merged_rollouts=True, rollout_linear_kernels="onednn")
     packed = rollout_plan(validate_params(p), SimpleNamespace(use_vllm=False), tok)[0]
