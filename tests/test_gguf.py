@@ -402,7 +402,7 @@ def test_bench_real_samples_the_recipe_s_rollouts_from_each_of_the_three_sampler
         return real(m, tokenizer, prompts, toolset, max_new, **kw)
 
     monkeypatch.setattr(loop, "generate_with_tools", recorded)
-    result = decoding.recipe_rollouts(2, policy=lambda grpo: (model, tok, models))
+    result = decoding.recipe_rollouts(2, policy=lambda grpo, completions: (model, tok, models))
     assert [c[0] for c in calls] == list(models.values()) * 2
     assert {c[1:] for c in calls} == {(16, True, 96, 0.8, 0)}  # the recipe's shapes, the calculator, one seed
     assert set(result["tokens_per_second"]) == set(models) and min(result["tokens_per_second"].values()) > 0

@@ -395,9 +395,10 @@ SAMPLERS = (  # ToolRollout's three ways to sample a LoRA policy: (label, grpo.m
 )
 
 
-def _recipe_policy(grpo: dict):
+def _recipe_policy(grpo: dict, completions: int):
     """SmolLM2 with the recipe's GRPO LoRA, its B matrices drawn (std 0.02) as a trained adapter's would be, so that
-    the merged copies differ from the base model; -> (PEFT model, tokenizer, {label: the model that sampler runs})."""
+    the merged copies differ from the base model, the packed copy's weights laid out for `completions` rows; ->
+    (PEFT model, tokenizer, {label: the model that sampler runs})."""
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -415,7 +416,6 @@ def _recipe_policy(grpo: dict):
                 parameter.normal_(0, 0.02)
     merged = merged_policy(peft)
     packed = copy.deepcopy(merged)
-    completions = grpo["trainer"]["per_device_train_batch_size"] * grpo["trainer"]["gradient_accumulation_steps"]
     use_linear_kernels(packed, "onednn", completions, "bench")
     return peft, tok, dict(zip((label for label, _, _ in SAMPLERS), (peft, merged, packed)))
 
@@ -424,7 +424,7 @@ def recipe_rollouts(rounds: int, policy=_recipe_policy) -> dict:
     """`make bench-real`'s GRPO rows: one step's rollouts of the calculator recipe (RECIPE: its LoRA on layers
     15-29, completions per step, max_completion_length, temperature) sampled through the tool loop with the
     calculator, as grpo.ToolRollout calls it, from each of SAMPLERS; the three alternate for `rounds` rounds, each
-    with the same seed. Policy-sampled tokens/s, the median of the rounds. `policy(grpo section)` gives the
+    with the same seed. Policy-sampled tokens/s, the median of the rounds. `policy(grpo section, completions)` gives the
     samplers (_recipe_policy's shape; the tests pass a tiny model's)."""
     import yaml
 
@@ -434,10 +434,10 @@ def recipe_rollouts(rounds: int, policy=_recipe_policy) -> dict:
 
     grpo = yaml.safe_load(RECIPE.read_text())["grpo"]
     trainer = grpo["trainer"]
-    _, tok, samplers = policy(grpo)
+    completions = trainer["per_device_train_batch_size"] * trainer["gradient_accumulation_steps"]
+    _, tok, samplers = policy(grpo, completions)
     params = load_params()
     toolset = toolset_from_params(params.agent, tok.eos_token, params.environments)
-    completions = trainer["per_device_train_batch_size"] * trainer["gradient_accumulation_steps"]
     prompts = [
         p for p in word_problems(completions // trainer["num_generations"]) for _ in range(trainer["num_generations"])
     ]

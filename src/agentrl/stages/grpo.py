@@ -324,8 +324,10 @@ def check_merged_rollouts(trainer, rollout) -> None:
             "grpo.merged_rollouts copies the whole policy on each process; with sharded weights (DeepSpeed ZeRO-3, "
             "FSDP) set it to false"
         )
+    if rollout.kernels != "onednn":
+        return
     weight = next(trainer.model.parameters())
-    if rollout.kernels == "onednn" and (weight.device.type != "cpu" or weight.dtype != torch.float32):
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
         raise GRPOSettingsError(
             f"grpo.rollout_linear_kernels: onednn runs fp32 weights on the CPU; the policy is {weight.dtype} on "
             f"{weight.device.type} (set rollout_linear_kernels: aten)"
