@@ -251,6 +251,10 @@ bench-real: setup-gguf ## SmolLM2 decoding vs this machine's roofline (BENCHMARK
 	python scripts/bench_real.py
 
 # A training step (tiny default, SmolLM2 LoRA) alone vs beside one CPU-bound process, per OpenMP spin setting.
+.PHONY: bench-real-steps
+bench-real-steps: setup-gguf ## SmolLM2's SFT and GRPO steps by phase, MFU, vs TRL's stock generation
+	python scripts/bench_real.py --steps
+
 .PHONY: bench-shared
 bench-shared: setup-gguf ## a training step alone vs beside a busy process, per OpenMP setting
 	python scripts/bench_real.py --shared

@@ -406,3 +406,68 @@ def test_bench_real_samples_the_recipe_s_rollouts_from_each_of_the_three_sampler
     assert [c[0] for c in calls] == list(models.values()) * 2
     assert {c[1:] for c in calls} == {(16, True, 96, 0.8, 0)}  # the recipe's shapes, the calculator, one seed
     assert set(result["tokens_per_second"]) == set(models) and min(result["tokens_per_second"].values()) > 0
+
+
+def test_bench_real_steps_times_the_recipe_s_sft_and_grpo_phases_on_a_gguf_model(tiny_gguf, tmp_path, monkeypatch):
+    """make bench-real-steps end to end on the tiny Llama's GGUF file standing in for SmolLM2 (the calculator recipe
+    shrunk): the SFT step under both samplers with its MFU; every GRPO side's step split into phases that fit in
+    the step; TRL's stock side without a rollout function, ours with the recipe's knobs reaching the sampler."""
+    from agentrl.benchmarks import training
+
+    path, _, _ = tiny_gguf
+    recipe = yaml.safe_load((ROOT / "configs/recipes/smollm2-135m-calculator.yaml").read_text())
+    recipe["model"].update(base_model=str(path), revision=gguf_files.sha256(path))
+    recipe["data"]["synthetic"].update(num_train=60, num_test=4)
+    recipe["sft"]["trainer"].update(per_device_train_batch_size=2)
+    recipe["grpo"]["lora"]["layers_to_transform"] = [1]
+    recipe["grpo"]["trainer"].update(num_generations=2, per_device_train_batch_size=2, max_completion_length=12)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.chdir(ROOT)
+    result = training.real_training_steps(tmp_path / "recipe.yaml", 1, 1, 1, start_sft_steps=1)
+    peak = result["matmul_peak_flops_per_second"]
+    assert peak == max(result["matmul_peaks_measured"]) and len(result["matmul_peaks_measured"]) == 3
+    assert list(result["sft"]) == [label for label, _ in training.SFT_VARIANTS]
+    for run in result["sft"].values():
+        assert 0 < run["labelled_tokens_per_step"] < run["tokens_per_step"] <= run["padded_tokens_per_step"]
+        assert run["mfu"] == pytest.approx(run["tokens_per_step"] * run["flops_per_token"] / run["trainer"] / peak)
+    shipped, labelled, peft, recipe_side = (result["grpo"][label] for label, _, _ in training.GRPO_SIDES)
+    assert shipped["ran"] == {"lm_head_positions": "all", "rollout_func": False}
+    assert shipped["speedup_over_stock"] == 1.0
+    assert labelled["ran"] == {"lm_head_positions": "labelled", "rollout_func": False}
+    assert peft["ran"] == {
+        "lm_head_positions": "labelled", "rollout_func": True, "merged": False, "kernels": "aten", "onednn_layers": 0
+    }  # fmt: skip
+    assert recipe_side["ran"] == {  # the tiny Llama's 2 x 7 projections and its LM head, packed for oneDNN
+        "lm_head_positions": "labelled", "rollout_func": True, "merged": True, "kernels": "onednn", "onednn_layers": 15
+    }  # fmt: skip
+    for side in result["grpo"].values():
+        phases = side["phases"]
+        assert min(phases[k]["seconds"] for k in ("seconds", "training_forward_s", "backward_s", "optimizer_s")) > 0
+        assert side["other_s"] >= 0  # the phases are disjoint parts of the step
+        assert phases["logprob_forward_s"]["seconds"] == 0  # the recipe's steps are aligned: no old log-probs
+        assert 0 < side["sampled_tokens_per_completion"] <= 12 and side["completions_per_step"] == 4
+        assert side["step_mfu"] > 0
+    assert "| TRL as shipped: its own generation, every position scored |" in training.real_steps_table(result)
+
+
+def test_grpo_phase_figures_count_the_backward_of_the_adapted_layers_only():
+    """The backward FLOPs are the activation gradients of the adapted upper layers and the LM head (at completion
+    positions): with no layer adapted only the head's remain; more adapted layers, more FLOPs; other = the step's
+    time outside the phases."""
+    from agentrl.benchmarks.measure import flops_per_token
+    from agentrl.benchmarks.training import grpo_phase_figures
+
+    dims = {"vocab_size": 100, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}  # fmt: skip
+    step = {"step_s": 10.0, "seconds": 4.0, "reward_s": 0.5, "logprob_forward_s": 0.0, "training_forward_s": 2.0,
+            "backward_s": 3.0, "optimizer_s": 0.1, "tokens": 40, "completions": 4, "sequence_tokens": 100,
+            "completion_tokens": 50, "logprob_tokens": 0, "training_tokens": 100}  # fmt: skip
+    head = 2 * 100 * 8
+    none = grpo_phase_figures([step], dims, 0, 1e9)
+    assert none["phases"]["backward_s"]["flops"] == pytest.approx(100 * 0.5 * head)
+    assert none["other_s"] == pytest.approx(10.0 - 9.6)
+    forward = 100 * (flops_per_token(dims, 25, "forward") - head + 0.5 * head)
+    assert none["phases"]["training_forward_s"]["flops"] == pytest.approx(forward)
+    flops = [grpo_phase_figures([step], dims, n, 1e9)["phases"]["backward_s"]["flops"] for n in range(5)]
+    assert flops == sorted(flops) and len(set(flops)) == 5
+    assert none["phases"]["reward_s"]["mfu"] is None and none["sampled_tokens_per_second"] == 10.0

@@ -550,3 +550,77 @@ def test_chat_format_pipeline_runs_trl_native_tool_loop(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
     with pytest.raises(BrokenEnvironmentError, match="reset failed in TRL's loop .*ConnectionError: server gone"):
         grpo.train(params)
+
+
+@pytest.fixture
+def restore_lm_head_positions():
+    yield
+    from agentrl.stages.training import fused_lm_head_positions
+
+    fused_lm_head_positions(mini_params()["model"]["lm_head_positions"])  # the process-wide default again
+
+
+def test_lm_head_positions_labelled_scores_the_labelled_positions_with_the_same_bits(restore_lm_head_positions):
+    """model.lm_head_positions on TRL's fused LM head (the SFT/GRPO loss): 'all' scores every position (TRL 1.16 on
+    CPU), 'labelled' only those with a label (TRL's GPU branch); the log-probabilities, entropies and LoRA gradients
+    are the same bits either way."""
+    from peft import LoraConfig, get_peft_model
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import add_fused_lm_head
+
+    from agentrl.stages.training import fused_lm_head_positions
+
+    tok, model = tiny_lm(["3+4=7 #### 7", "12*3=36 #### 36"] * 20, 300, num_hidden_layers=2)
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj"])).train()
+    torch.manual_seed(0)
+    ids = torch.randint(3, len(tok), (3, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding, then ragged completions
+    mask[1, 15:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :12] = -100  # the prompt: no label
+    rows, real_apply = [], ChunkedLogProbFunction.apply
+
+    def counted(hidden, *args):
+        rows.append(hidden.shape[0])
+        return real_apply(hidden, *args)
+
+    def run(choice: str):
+        fused_lm_head_positions(choice)
+        peft.zero_grad(set_to_none=True)
+        out = peft(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        (-out.log_probs.sum() + 0.1 * out.entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in peft.named_parameters() if p.grad is not None}
+        return out.log_probs.detach(), out.entropy.detach(), grads
+
+    import trl.trainer.utils
+
+    trl.trainer.utils._ChunkedLogProbFunction = type("Counted", (), {"apply": staticmethod(counted)})
+    try:
+        every, labelled = run("all"), run("labelled")
+    finally:
+        trl.trainer.utils._ChunkedLogProbFunction = ChunkedLogProbFunction
+    assert rows == [3 * 19, int((labels[:, 1:] != -100).sum())]  # shifted: 19 next-token positions per row
+    assert torch.equal(every[0], labelled[0]) and torch.equal(every[1], labelled[1])
+    assert every[2].keys() == labelled[2].keys() and len(every[2]) == 8  # 2 layers x 2 modules x (A, B)
+    assert all(torch.equal(every[2][k], labelled[2][k]) for k in every[2])
+    with pytest.raises(ValueError, match="model.lm_head_positions: expected 'labelled' or 'all', got 'some'"):
+        fused_lm_head_positions("some")
+
+
+def test_the_training_stages_apply_lm_head_positions(workdir, restore_lm_head_positions):
+    """training.start (both stages) sets TRL's switch from params (grpo.build_trainer too, for the benchmarks:
+    tests/test_gguf.py -k bench_real_steps reads it back after each side)."""
+    import trl.trainer.utils as trl_utils
+
+    from agentrl.config import load_params
+    from agentrl.stages import training
+
+    cpu = torch.device("cpu")
+    for choice, compact in (("all", False), ("labelled", True), ("all", False)):
+        p = mini_params()
+        p["model"]["lm_head_positions"] = choice
+        write_params(workdir / "params.yaml", p)
+        training.start(load_params(), "sft", lambda params, **kw: None)
+        assert trl_utils._use_triton(cpu) is compact, choice

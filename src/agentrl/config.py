@@ -137,6 +137,9 @@ class ModelParams(Strict):
     # how training loads the model (from_pretrained(attn_implementation=...)); flash_attention_2 needs the
     # flash-attn package and a CUDA GPU
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"]
+    # the positions TRL's fused LM head scores in SFT's and GRPO's losses on CPU (stages/training.py:
+    # fused_lm_head_positions): the labelled ones, as TRL does on GPUs, or every one, as TRL 1.16 does on CPU
+    lm_head_positions: Literal["labelled", "all"]
     # variables baked into a hub tokenizer's chat template by `base` (e.g. Qwen3 {enable_thinking: false}), so
     # SFT, GRPO, evaluation and serving all render the same prompt
     chat_template_kwargs: dict[str, Union[StrictBool, int, float, str, None]]

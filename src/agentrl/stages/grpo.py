@@ -530,9 +530,9 @@ class EpisodeRowsGRPOTrainer(GRPOTrainer):
 def build_trainer(
     params: Params, args, model, tok, dataset, callbacks: Optional[list] = None, plan: Optional[tuple] = None
 ) -> EpisodeRowsGRPOTrainer:
-    """The stage's trainer: rewards and LoRA from params, the rollout plan (`plan`, default rollout_plan's), TRL's
-    broken-episode ledger and baked chat template for agent.format chat, the merged-rollouts check. The benchmarks
-    build theirs here too, so they time what the stage runs.
+    """The stage's trainer: rewards, LoRA and the LM head's scored positions from params, the rollout plan (`plan`,
+    default rollout_plan's), TRL's broken-episode ledger and baked chat template for agent.format chat, the
+    merged-rollouts check. The benchmarks build theirs here too, so they time what the stage runs.
 
     Args:
         params, args: the run's params and its GRPOConfig.
@@ -541,6 +541,7 @@ def build_trainer(
         plan: (rollout_func, environment_factory) instead of rollout_plan's (a benchmark's side by side).
     """
     funcs, _ = build_rewards(params.grpo.rewards, params.grpo.reward_kwargs.model_dump())
+    training.fused_lm_head_positions(params.model.lm_head_positions)  # the stage set it in start(); a bench did not
     rollout, environment_factory = plan or rollout_plan(params, args, tok)
     finish = baked_tool_template(tok) if environment_factory else None
     ledger = BrokenEpisodes(params.agent.max_broken_share) if environment_factory else None

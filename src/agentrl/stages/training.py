@@ -99,8 +99,36 @@ def peft_config(params: Params, stage: str):
     return lora_config(section.lora, f"{stage}.lora") if section.use_lora else None
 
 
+def fused_lm_head_positions(choice: str) -> None:
+    """model.lm_head_positions, applied to TRL (process-wide). TRL 1.16's SFT and GRPO losses run the LM head fused
+    with the log-softmax (trl.kernels.ChunkedLogProbFunction, no full logits). On a Triton device it scores only the
+    positions with a label ("compact"); elsewhere every position, so that compiled tile shapes stay fixed on Neuron.
+    On the CPU, eager, that choice only costs: GRPO's loss labels the completion alone, a third of the positions in
+    the calculator recipe. "labelled" makes TRL take its compact branch on CPU too (trl.trainer.utils._use_triton
+    decides only that there; the kernels keep their torch code); each scored position computes what it did, so the
+    log-probabilities and gradients are the same bits (tests/test_training.py). "all" restores TRL's own choice.
+
+    Args:
+        choice: "labelled" or "all".
+    """
+    import trl.trainer.utils as trl_utils
+    from trl.kernels.chunked_logprob import _use_triton
+
+    if choice not in ("labelled", "all"):
+        raise ValueError(f"model.lm_head_positions: expected 'labelled' or 'all', got {choice!r}")
+    trl_utils._use_triton = _use_triton if choice == "all" else _labelled_on_cpu
+
+
+def _labelled_on_cpu(device) -> bool:
+    """trl.trainer.utils' compact switch under model.lm_head_positions labelled: always on CPU, TRL's own elsewhere."""
+    from trl.kernels.chunked_logprob import _use_triton
+
+    return device.type == "cpu" or _use_triton(device)
+
+
 def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
-    """The imports params name (registry.check_imports), seed, CPU threads and tracking, then the stage's TRL config
+    """The imports params name (registry.check_imports), seed, CPU threads, the LM head's scored positions
+    (fused_lm_head_positions) and tracking, then the stage's TRL config
     `config(params, report_to=, run_name=)`; returns it with the tracking callbacks. The config comes before any
     work: it stops on a bad value, and it registers the DeepSpeed config, so the model created next is
     ZeRO-3-partitioned (zero3_init_flag) in its target dtype.
@@ -119,6 +147,7 @@ def start(params: Params, stage: str, config: Callable) -> tuple[Any, list]:
     check_imports(params)  # a typo in a module:attr stops the stage here, before any model or data is read
     set_seed(params.seed)
     configure_cpu_threads()
+    fused_lm_head_positions(params.model.lm_head_positions)
     track = tracking.setup(params, stage)
     callbacks = track.pop("callbacks")
     return config(params, **track), [*callbacks, checksum_callback()]
