@@ -408,11 +408,16 @@ def test_bench_real_samples_the_recipe_s_rollouts_from_each_of_the_three_sampler
     assert set(result["tokens_per_second"]) == set(models) and min(result["tokens_per_second"].values()) > 0
 
 
+TRACKING_ENV = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_RUN_GROUP", "WANDB_DIR", "WANDB_JOB_TYPE", "WANDB_SILENT",
+                "TENSORBOARD_LOGGING_DIR")  # fmt: skip
+
+
 def test_bench_real_steps_times_the_recipe_s_sft_and_grpo_phases_on_a_gguf_model(tiny_gguf, tmp_path, monkeypatch):
     """make bench-real-steps end to end on the tiny Llama's GGUF file standing in for SmolLM2 (the calculator recipe
     shrunk): the SFT step under both samplers with its MFU; every GRPO side's step split into phases that fit in
     the step; TRL's stock side without a rollout function, ours with the recipe's knobs reaching the sampler."""
     from agentrl.benchmarks import training
+    from agentrl.stages.training import fused_lm_head_positions
 
     path, _, _ = tiny_gguf
     recipe = yaml.safe_load((ROOT / "configs/recipes/smollm2-135m-calculator.yaml").read_text())
@@ -423,7 +428,12 @@ def test_bench_real_steps_times_the_recipe_s_sft_and_grpo_phases_on_a_gguf_model
     recipe["grpo"]["trainer"].update(num_generations=2, per_device_train_batch_size=2, max_completion_length=12)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     monkeypatch.chdir(ROOT)
-    result = training.real_training_steps(tmp_path / "recipe.yaml", 1, 1, 1, start_sft_steps=1)
+    for name in TRACKING_ENV:  # the sft stage's tracking set-up writes these; the other tests must not inherit them
+        monkeypatch.delenv(name, raising=False)
+    try:
+        result = training.real_training_steps(tmp_path / "recipe.yaml", 1, 1, 1, start_sft_steps=1)
+    finally:  # TRL's switch is process-wide: back to the default for the tests that follow
+        fused_lm_head_positions(yaml.safe_load((ROOT / "params.yaml").read_text())["model"]["lm_head_positions"])
     peak = result["matmul_peak_flops_per_second"]
     assert peak == max(result["matmul_peaks_measured"]) and len(result["matmul_peaks_measured"]) == 3
     assert list(result["sft"]) == [label for label, _ in training.SFT_VARIANTS]

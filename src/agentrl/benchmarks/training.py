@@ -85,6 +85,16 @@ def _sft_args(params, trl_defaults: bool, output_dir: str, batch_size: int, step
     return args
 
 
+def _token_counts(batches: list[dict]) -> dict:
+    """One step's collated batches: the attended tokens of each row, the tokens computed (padding included) and
+    the tokens with a label (the ones the loss scores)."""
+    return {
+        "rows": [int(n) for b in batches for n in b["attention_mask"].sum(-1)],
+        "padded": sum(b["input_ids"].numel() for b in batches),
+        "labelled": sum(int((b["labels"] != -100).sum()) for b in batches),
+    }
+
+
 def sft_step_times(params, trl_defaults: bool, steps: int = STEPS, warmup: int = SFT_WARMUP) -> dict:
     """Seconds per optimizer step of SFTTrainer, each paired with a plain PyTorch step on the same batch.
 
@@ -115,15 +125,12 @@ def sft_step_times(params, trl_defaults: bool, steps: int = STEPS, warmup: int =
     stage.fused_lm_head_positions(params.model.lm_head_positions)
     tok = load_tokenizer(STAGE_DIRS["base"])
     tok.padding_side = "right"
-    batch_size = params.sft.trainer["per_device_train_batch_size"]
     dataset = sft.dataset(tok, params)  # what the stage trains on, tokenized as the tool loop produces it
     plain, optimizer = _plain_twin(params, stage)
     batches: list[dict] = []
     trainer_s: list[float] = []
     plain_s: list[float] = []
-    step_rows: list[list[int]] = []  # per step, the attended tokens of each sequence
-    padded: list[int] = []  # per step, the tokens computed (padding included)
-    labelled: list[int] = []  # per step, the tokens with a label (the loss's)
+    counted: list[dict] = []  # per step, _token_counts of its batches
 
     class Paired(TrainerCallback):
         last, used = None, 0  # end of the previous step; collated batches already paired
@@ -135,14 +142,12 @@ def sft_step_times(params, trl_defaults: bool, steps: int = STEPS, warmup: int =
         def on_step_end(self, *a, **k):
             trainer_s.append(time.perf_counter() - self.last)
             plain_s.append(_plain_step(plain, optimizer, batches[self.used :], params.sft.trainer["max_grad_norm"]))
-            step_rows.append([int(n) for b in batches[self.used :] for n in b["attention_mask"].sum(-1)])
-            padded.append(sum(b["input_ids"].numel() for b in batches[self.used :]))
-            labelled.append(sum(int((b["labels"] != -100).sum()) for b in batches[self.used :]))
+            counted.append(_token_counts(batches[self.used :]))
             self.used = len(batches)
             self.last = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = _sft_args(params, trl_defaults, tmp, batch_size, steps)
+        args = _sft_args(params, trl_defaults, tmp, params.sft.trainer["per_device_train_batch_size"], steps)
         trainer = SFTTrainer(
             model=load_model(STAGE_DIRS["base"]),
             args=args,
@@ -160,15 +165,15 @@ def sft_step_times(params, trl_defaults: bool, steps: int = STEPS, warmup: int =
 
         trainer.data_collator = recording_collator
         trainer.train()
-    timed_trainer, timed_plain, timed_rows = trainer_s[warmup:], plain_s[warmup:], step_rows[warmup:]
+    timed, pairs = counted[warmup:], list(zip(trainer_s[warmup:], plain_s[warmup:]))
     return {
-        "trainer": statistics.median(timed_trainer),
-        "plain_loop": statistics.median(timed_plain),
-        "paired_ratio": statistics.median(t / p for t, p in zip(timed_trainer, timed_plain)),
-        "tokens_per_step": statistics.median(sum(rows) for rows in timed_rows),
-        "mean_sequence_tokens": statistics.mean(n for rows in timed_rows for n in rows),
-        "padded_tokens_per_step": statistics.median(padded[warmup:]),
-        "labelled_tokens_per_step": statistics.median(labelled[warmup:]),
+        "trainer": statistics.median(t for t, _ in pairs),
+        "plain_loop": statistics.median(p for _, p in pairs),
+        "paired_ratio": statistics.median(t / p for t, p in pairs),
+        "tokens_per_step": statistics.median(sum(c["rows"]) for c in timed),
+        "mean_sequence_tokens": statistics.mean(n for c in timed for n in c["rows"]),
+        "padded_tokens_per_step": statistics.median(c["padded"] for c in timed),
+        "labelled_tokens_per_step": statistics.median(c["labelled"] for c in timed),
     }
 
 
@@ -561,14 +566,11 @@ def _variant(tree: dict, changes: dict):
     import copy
 
     from agentrl.config import validate_params
+    from agentrl.experiments.overrides import set_value
 
     tree = copy.deepcopy(tree)
     for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        node = tree
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
+        set_value(tree, dotted, value)
     return validate_params(tree)
 
 
@@ -632,6 +634,8 @@ def _grpo_side(params, rollout_func: bool, tok, rows: list[dict], steps: int, wa
     what ran: the positions TRL's LM head scored; {"rollout_func": false} for TRL's own generation, else the
     ToolRollout's merged flag and kernels and the Linear layers of the copy it sampled from that ran on oneDNN (none
     for the PEFT model)."""
+    import trl.trainer.utils as trl_utils
+
     from agentrl.agent.linear_kernels import OneDNNLinear
     from agentrl.stages import grpo
 
@@ -640,9 +644,7 @@ def _grpo_side(params, rollout_func: bool, tok, rows: list[dict], steps: int, wa
         args.max_steps, args.save_strategy, args.logging_steps = steps + warmup, "no", 1
         rollout = grpo.rollout_plan(params, args, tok)[0] if rollout_func else None
         timed = timed_grpo(params, args, grpo.starting_model(params), tok, rows, warmup, (rollout, None))[1]
-    import trl.trainer.utils as trl_utils  # what TRL's fused LM head scored on CPU, as build_trainer set it
-
-    compact = trl_utils._use_triton(torch.device("cpu"))
+    compact = trl_utils._use_triton(torch.device("cpu"))  # what TRL's fused LM head scored, as build_trainer set it
     ran = {"lm_head_positions": "labelled" if compact else "all", "rollout_func": rollout is not None}
     if rollout is not None:
         packed = 0 if rollout.plain is None else sum(isinstance(m, OneDNNLinear) for m in rollout.plain.modules())
@@ -682,7 +684,9 @@ def real_training_steps(
         sft_runs = {
             label: sft_step_times(_variant(tree, changes), False, sft_steps + 2, 2) for label, changes in SFT_VARIANTS
         }
-        sft.train(_variant(tree, {"sft.trainer.max_steps": start_sft_steps}))
+        # the policy GRPO starts from, trained by the stage (its trackers off: W&B would keep a log handler on
+        # this scratch directory after it is gone)
+        sft.train(_variant(tree, {"sft.trainer.max_steps": start_sft_steps, "tracking.report_to": []}))
         peaks.append(matmul_peak()["flops_per_second"])
         tok, rows = load_tokenizer(STAGE_DIRS["sft"]), load_jsonl(grpo.DATA)
         timed: dict[str, list] = {label: [] for label, _, _ in GRPO_SIDES}
