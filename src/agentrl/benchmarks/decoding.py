@@ -243,9 +243,10 @@ GRPO step's rollouts of the calculator recipe from each model grpo.ToolRollout c
     python scripts/bench_real.py [--batches 1 16 64] [--new-tokens 32] [--repeats 5]
     # -> metrics/bench_real.json, BENCHMARKS-real.md
 
-`make bench-real-steps` (--steps): the calculator recipe's SFT step (its batches drawn at random, as the recipe does,
-and grouped by length) and GRPO step (TRL's stock generation, our tool loop on the PEFT model, our tool loop on the
-merged copy on oneDNN: the recipe's) by phase, with model FLOPs and MFU, in a scratch workspace.
+`make bench-real-steps` (--steps): the calculator recipe's SFT step (training.SFT_VARIANTS: TRL as shipped, then the
+LM head scoring the labelled positions only, then batches grouped by length) and GRPO step by phase
+(training.GRPO_SIDES: TRL as shipped, then each lever up to the recipe's sampling), with model FLOPs and MFU, in a
+scratch workspace.
 
     python scripts/bench_real.py --steps [--sft-steps 8] [--grpo-steps 2] [--rounds 2]
     # -> metrics/bench_real_steps.json, BENCHMARKS-real.md (its second section)

@@ -589,12 +589,12 @@ def grpo_phase_figures(steps: list[dict], dims: dict, adapted_layers: int, peak:
     upper = {**dims, "num_hidden_layers": adapted_layers}
     backward_body = flops_per_token(upper, context, "train_frozen") - flops_per_token(upper, context, "forward") - head
     sampling_body = flops_per_token(dims, context / 2, "forward") - head
-    prompt_share = 1 - mean["completion_tokens"] / mean["sequence_tokens"]
+    completion_share = mean["completion_tokens"] / mean["sequence_tokens"]  # the positions the loss scores
     flops = {
         "seconds": mean["sequence_tokens"] * sampling_body + mean["tokens"] * head,
-        "logprob_forward_s": mean["logprob_tokens"] * (body + (1 - prompt_share) * head),
-        "training_forward_s": mean["training_tokens"] * (body + (1 - prompt_share) * head),
-        "backward_s": mean["training_tokens"] * (backward_body + (1 - prompt_share) * head),
+        "logprob_forward_s": mean["logprob_tokens"] * (body + completion_share * head),
+        "training_forward_s": mean["training_tokens"] * (body + completion_share * head),
+        "backward_s": mean["training_tokens"] * (backward_body + completion_share * head),
     }
     phases = {
         key: {
@@ -673,27 +673,26 @@ def real_training_steps(
 
     tree = yaml.safe_load(applied_text(Path("params.yaml").read_text(), [recipe]))
     params = _variant(tree, {})
-    for _, *changes in (*SFT_VARIANTS, *GRPO_SIDES):  # every variant valid before any work
-        _variant(tree, changes[-1])
+    # every variant validated before any work
+    sft_params = {label: _variant(tree, changes) for label, changes in SFT_VARIANTS}
+    grpo_params = {label: (rollout_func, _variant(tree, changes)) for label, rollout_func, changes in GRPO_SIDES}
     layers = params.grpo.lora.get("layers_to_transform")
     with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
         prepare.prepare(params)
         base.from_gguf(params)
         dims = model_dims(AutoConfig.from_pretrained(STAGE_DIRS["base"]), str(recipe))
         peaks = [matmul_peak()["flops_per_second"]]
-        sft_runs = {
-            label: sft_step_times(_variant(tree, changes), False, sft_steps + 2, 2) for label, changes in SFT_VARIANTS
-        }
+        sft_runs = {label: sft_step_times(variant, False, sft_steps + 2, 2) for label, variant in sft_params.items()}
         # the policy GRPO starts from, trained by the stage (its trackers off: W&B would keep a log handler on
         # this scratch directory after it is gone)
         sft.train(_variant(tree, {"sft.trainer.max_steps": start_sft_steps, "tracking.report_to": []}))
         peaks.append(matmul_peak()["flops_per_second"])
         tok, rows = load_tokenizer(STAGE_DIRS["sft"]), load_jsonl(grpo.DATA)
-        timed: dict[str, list] = {label: [] for label, _, _ in GRPO_SIDES}
+        timed: dict[str, list] = {label: [] for label in grpo_params}
         ran: dict[str, dict] = {}
         for _ in range(rounds):
-            for label, rollout_func, changes in GRPO_SIDES:
-                steps, ran[label] = _grpo_side(_variant(tree, changes), rollout_func, tok, rows, grpo_steps, 1)
+            for label, (rollout_func, variant) in grpo_params.items():
+                steps, ran[label] = _grpo_side(variant, rollout_func, tok, rows, grpo_steps, 1)
                 timed[label] += steps
         peaks.append(matmul_peak()["flops_per_second"])
     peak = max(peaks)  # the machine's peak: a measurement disturbed by the VM's neighbours only lowers it
