@@ -183,6 +183,25 @@ def test_bench_table_appends_the_mfu_columns_and_keeps_the_others():
     assert out[2:] == lines[2:]
 
 
+def test_benchmarks_md_is_what_the_committed_bench_json_renders_to():
+    """BENCHMARKS.md is bench_markdown of metrics/bench.json (no figure typed by hand); the pipeline rows are there
+    when the run timed the pipeline and left out, with the header saying so, when it did not (--skip-dvc)."""
+    import json
+    from pathlib import Path
+
+    from agentrl.benchmarks.bench import bench_markdown
+    from agentrl.config import load_yaml, validate_params
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "metrics/bench.json").read_text())
+    params = validate_params(load_yaml(root / "params.yaml"), "params.yaml")
+    text = bench_markdown(res, params)
+    assert text == (root / "BENCHMARKS.md").read_text(), "BENCHMARKS.md was edited by hand or is stale"
+    assert res["repro_repeats"] > 0 and "| **full_repro_seconds** |" in text
+    skipped = bench_markdown({**res, "repro_repeats": 0}, params)
+    assert "no pipeline timings (--skip-dvc)" in skipped and "full_repro_seconds" not in skipped
+
+
 def test_shared_machine_step_times_a_step_alone_and_beside_a_busy_process(capsys):
     """`make bench-shared`'s child (run in-process here, one step each): the tiny default's training step timed
     alone and with a `while True` process started and ended around the second timing; the table has its row."""

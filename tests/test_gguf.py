@@ -354,13 +354,18 @@ def test_bench_real_times_every_decoder_on_the_same_greedy_tokens_and_renders_th
     assert all(isinstance(row[k], float) and row[k] > 0 for k in ("generate", "onednn_forward_loop"))
     assert row["onednn_generate_speedup"] > 0
     assert row["same_greedy_tokens"] is True and 0 <= row["max_logprob_diff"] < 1e-4
+    assert row["onednn_matmuls_alone"] > 0
+    step = row["onednn_generate_step_ms"]  # the profiler found oneDNN's linear and SDPA under the names looked up
+    assert set(step) == {"matmuls", "attention", "other_ops", "outside_ops"} and step["matmuls"] > 0
+    assert step["attention"] > 0
     other, _ = tiny_llama(seed=1)  # another model's weights stand in for a packed copy that went wrong
     wrong = onednn_agreement(model, other, tok, 2, 4)
     assert wrong["same_greedy_tokens"] is False and wrong["max_logprob_diff"] > 1e-2
     row = {
         "batch": 16, "generate": 31.0, "forward_loop": 85.0, "onednn_generate": 62.0, "onednn_forward_loop": 85.0,
         "onednn_generate_speedup": 1.96, "roofline": 170.0, "bound": "memory", "same_greedy_tokens": True,
-        "max_logprob_diff": 2.5e-6,
+        "max_logprob_diff": 2.5e-6, "onednn_matmuls_alone": 136.0,
+        "onednn_generate_step_ms": {"matmuls": 40.0, "attention": 8.5, "other_ops": 12.25, "outside_ops": 4.0},
     }  # fmt: skip
     result = {
         "machine": "cpu",
@@ -380,6 +385,7 @@ def test_bench_real_times_every_decoder_on_the_same_greedy_tokens_and_renders_th
     table = real_model_table(result)
     assert "| 16 | 31.0 | 85.0 | 62.0 | 85.0 | 170.0 (memory) | 50% | 1.96x | yes | 2.5e-06 |" in table
     assert "| merged copy, onednn | true | onednn | 100.0 | 2.00x |" in table
+    assert "| 16 | 136.0 | 80% | 40.0 | 8.5 | 12.2 | 4.0 |" in table
 
 
 def test_bench_real_samples_the_recipe_s_rollouts_from_each_of_the_three_samplers(monkeypatch):

@@ -324,13 +324,25 @@ def bench(params, repeats: int, repro_repeats: int, skip_dvc: bool, n: int) -> d
     """
     res = bench_results(params, repeats, repro_repeats, skip_dvc, n)
     write_json("metrics/bench.json", res)
+    text = bench_markdown(res, params)
+    Path("BENCHMARKS.md").write_text(text)
+    print(text)
+    return res
+
+
+def bench_markdown(res: dict, params) -> str:
+    """BENCHMARKS.md from bench_results' figures (metrics/bench.json) and the params they were measured with."""
     peak = res["mfu"]["matmul_peak"]
+    repros = res["repro_repeats"]
+    timed = "no pipeline timings (--skip-dvc)" if not repros else (
+        f"the full and GRPO-change repros run {repros} time{'s' if repros > 1 else ''} each, in a scratch copy of "
+        "the repository"
+    )  # fmt: skip
     lines = [
         "# Benchmarks",
         "",
-        f"Measured by `make bench` on {res['machine']}. Each figure is the median of "
-        f"{repeats} runs (min–max); the full and GRPO-change repros of {res['repro_repeats']} runs, in a "
-        "scratch copy of the repository. Regenerate with `make bench`.",
+        f"Measured by `make bench` on {res['machine']}. Each figure is the median of {res['repeats']} runs "
+        f"(min–max); {timed}. Regenerate with `make bench`.",
         "",
         f"MFU: the model FLOPs a row's tokens/s achieves over this machine's fp32 matmul peak, measured in the same "
         f"run: {peak['flops_per_second'] / 1e9:.1f} GFLOP/s, a {peak['size']}×{peak['size']} `torch.matmul` "
@@ -345,14 +357,12 @@ def bench(params, repeats: int, repro_repeats: int, skip_dvc: bool, n: int) -> d
                 *_sft_rows(res),
                 *_eval_rows(res, params),
                 *_grpo_and_loop_rows(res, params),
-                *([] if skip_dvc else _dvc_rows(res)),
+                *(_dvc_rows(res) if repros else []),
             ],
             res,
         ),
     ]
-    Path("BENCHMARKS.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return res
+    return "\n".join(lines) + "\n"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -237,8 +237,10 @@ model FLOPs over the measured fp32 GEMM peak): that bound, turned into tokens/s,
 against. Each batch is decoded with transformers' `model.generate` and with the plain forward loop over the KV cache
 that the benchmarks already use as the decode ceiling (decoding.bare_greedy_decode), each on the model as loaded
 (aten kernels) and on a copy whose Linear layers run oneDNN's packed kernels (agent/linear_kernels.py); all greedy,
-fp32, the same prompts, taking turns, decode only (a 1-token run's time, the prefill, is subtracted). Then one
-GRPO step's rollouts of the calculator recipe from each model grpo.ToolRollout can sample from.
+fp32, the same prompts, taking turns, decode only (a 1-token run's time, the prefill, is subtracted). What limits
+the oneDNN copy: its matmuls alone (every Linear layer on the batch's rows, nothing else) against the roofline, and
+its `generate` step split by torch's profiler into matmuls, attention, other ops and the time outside any op. Then
+one GRPO step's rollouts of the calculator recipe from each model grpo.ToolRollout can sample from.
 
     python scripts/bench_real.py [--batches 1 16 64] [--new-tokens 32] [--repeats 5]
     # -> metrics/bench_real.json, BENCHMARKS-real.md
@@ -333,10 +335,57 @@ def onednn_agreement(model, packed, tok, batch: int, new_tokens: int) -> dict:
     }
 
 
+@torch.inference_mode()
+def matmuls_alone_tokens_per_second(packed, batch: int, repeats: int) -> float:
+    """The ceiling oneDNN's kernels set on a decode step: tokens/s if the step were nothing but its matmuls, i.e.
+    every Linear layer of the packed model (its own packed weights, in the model's order, the LM head included)
+    applied to `batch` rows, timed over the whole pass (the weights stream from memory as in decoding); the median
+    of `repeats` passes after one warm-up."""
+    from ..agent.linear_kernels import OneDNNLinear
+
+    linears = [m for m in packed.modules() if isinstance(m, OneDNNLinear)]
+    inputs = {m.in_features: torch.randn(batch, m.in_features) for m in linears}
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for layer in linears:
+            layer(inputs[layer.in_features])
+        seconds.append(time.perf_counter() - start)
+    return batch / statistics.median(seconds[1:])
+
+
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention")
+
+
+@torch.inference_mode()
+def decode_step_profile(packed, tok, batch: int, new_tokens: int) -> dict:
+    """Where a decode step of `model.generate` on the packed model goes, from torch's profiler: milliseconds per
+    step in its matmuls (oneDNN's linear), attention (SDPA), the other torch ops (norms, rotary, cache writes,
+    sampling: their self time) and outside any op (Python, generate's bookkeeping: wall time minus the ops). A
+    new_tokens run's figures minus a 1-token run's (the prefill), over new_tokens - 1 steps."""
+    enc = _encoded_problems(tok, batch)
+    kw = dict(do_sample=False, pad_token_id=tok.pad_token_id)
+    packed.generate(**enc, **kw, max_new_tokens=2, min_new_tokens=2)  # warm-up
+    runs = {}
+    for n in (1, new_tokens):
+        with torch.profiler.profile() as prof:
+            start = time.perf_counter()
+            packed.generate(**enc, **kw, max_new_tokens=n, min_new_tokens=n)
+            wall = time.perf_counter() - start
+        ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+        matmul = ops.pop("mkldnn::_linear_pointwise", 0.0)
+        attention = sum(ops.pop(name, 0.0) for name in ATTENTION_OPS)
+        runs[n] = {"matmuls": matmul, "attention": attention, "other_ops": sum(ops.values())}
+        runs[n]["outside_ops"] = wall - sum(runs[n].values())
+    steps = new_tokens - 1
+    return {part: 1000 * (runs[new_tokens][part] - runs[1][part]) / steps for part in runs[1]}
+
+
 def decode_row(model, tok, batch: int, new_tokens: int, repeats: int, roofline: float) -> dict:
     """One batch's figures: tokens/s of `model.generate` and the forward loop on the model as it is (aten) and on a
     copy whose Linear layers run oneDNN's packed kernels (eval.linear_kernels: onednn), taking turns for `repeats`
-    rounds; the median of the rounds' paired ratios onednn generate / aten generate; and the copy's agreement."""
+    rounds; the median of the rounds' paired ratios onednn generate / aten generate; the copy's matmuls alone (the
+    ceiling its kernels set) and its decode step by part (what else limits it); and the copy's agreement."""
     import copy
 
     from ..agent.linear_kernels import use_linear_kernels
@@ -356,6 +405,8 @@ def decode_row(model, tok, batch: int, new_tokens: int, repeats: int, roofline: 
         **timed["tokens_per_second"],
         "onednn_generate_speedup": statistics.median(paired),
         "roofline": roofline,
+        "onednn_matmuls_alone": matmuls_alone_tokens_per_second(packed, batch, repeats),
+        "onednn_generate_step_ms": decode_step_profile(packed, tok, batch, new_tokens),
         **onednn_agreement(model, packed, tok, batch, new_tokens),
     }
 
@@ -498,6 +549,8 @@ def real_model_table(result: dict) -> str:
             f"{row['onednn_forward_loop'] / row['roofline']:.0%} | {row['onednn_generate_speedup']:.2f}x | "
             f"{'yes' if row['same_greedy_tokens'] else 'no'} | {row['max_logprob_diff']:.1e} |"
         )
+    if all("onednn_generate_step_ms" in row for row in result["decode"]):
+        lines += decode_limits_table(result["decode"])
     rollouts = result["rollouts"]
     base = rollouts["tokens_per_second"]["PEFT model"]
     lines += [
@@ -515,6 +568,29 @@ def real_model_table(result: dict) -> str:
         rate = rollouts["tokens_per_second"][label]
         lines.append(f"| {label} | {str(merged).lower()} | {kernels} | {rate:.1f} | {rate / base:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def decode_limits_table(rows: list[dict]) -> list[str]:
+    """What limits the onednn decoder: its matmuls alone against the roofline, and its decode step by part."""
+    lines = [
+        "",
+        "What limits it: the onednn copy's matmuls alone (every Linear layer applied to the batch's rows with nothing "
+        "else in the step: the ceiling its kernels set), and a step of its `model.generate` by part from torch's "
+        "profiler (ms per decode step: oneDNN's linear, SDPA, every other torch op's self time, and the wall time "
+        "outside any op: Python, `generate`'s bookkeeping, the profiler's own cost).",
+        "",
+        "| batch | matmuls alone tok/s | matmuls alone / roofline | step ms: matmuls | attention | other ops | "
+        "outside ops |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        ms = row["onednn_generate_step_ms"]
+        lines.append(
+            f"| {row['batch']} | {row['onednn_matmuls_alone']:.1f} | "
+            f"{row['onednn_matmuls_alone'] / row['roofline']:.0%} | {ms['matmuls']:.1f} | {ms['attention']:.1f} | "
+            f"{ms['other_ops']:.1f} | {ms['outside_ops']:.1f} |"
+        )
+    return lines
 
 
 def bench_real_main(argv: list[str] | None = None) -> None:
