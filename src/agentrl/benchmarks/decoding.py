@@ -549,8 +549,7 @@ def real_model_table(result: dict) -> str:
             f"{row['onednn_forward_loop'] / row['roofline']:.0%} | {row['onednn_generate_speedup']:.2f}x | "
             f"{'yes' if row['same_greedy_tokens'] else 'no'} | {row['max_logprob_diff']:.1e} |"
         )
-    if all("onednn_generate_step_ms" in row for row in result["decode"]):
-        lines += decode_limits_table(result["decode"])
+    lines += decode_limits_table(result["decode"])
     rollouts = result["rollouts"]
     base = rollouts["tokens_per_second"]["PEFT model"]
     lines += [
