@@ -185,51 +185,6 @@ def test_growing_kv_cache_gives_the_bytes_of_transformers_dynamic_cache(tiny, mo
     assert sum(1 for ids, mask, _ in runs["growing"] if 0 in mask) >= len(prompts)  # tool results were inserted
 
 
-def test_continuous_batching_gives_every_row_the_tokens_and_distribution_of_fixed_batches(tiny, monkeypatch):
-    """continuous_batching: queued prompts join a batch in flight as its rows end (agent._join: their own prefill,
-    the caches stacked and left-padded). Greedy, with tool calls and per-prompt budgets (rows end at different
-    steps), every row writes the tokens, calls and masks it writes in fixed batches; sampled, each token's
-    recorded log-probability is the one a teacher-forced forward pass of that row alone gives it (the joined rows'
-    positions and cache are right), and one seed gives the same rollouts twice."""
-    import agentrl.agent.loop as agent
-
-    tok, model, prompts, _ = tiny
-    ts = make_toolset(["calculator"], "inline", max_calls=3)
-    budgets = [6 + 9 * (i % 4) for i in range(len(prompts))]
-    joined, join = [], agent._join
-    monkeypatch.setattr(agent, "_join", lambda *args: joined.append(len(args[2].rolls)) or join(*args))
-    lp = LogitsProcessorList([ForceCalls(tok, calls=2)])
-    fixed = generate_with_tools(model, tok, prompts, ts, budgets, batch_size=4, logits_processor=lp)
-    assert not joined
-    flowing = generate_with_tools(
-        model, tok, prompts, ts, budgets, batch_size=4, logits_processor=lp, continuous_batching=True
-    )
-    assert sum(joined) >= len(prompts) // 2, joined  # most prompts joined a batch in flight
-    for a, b in zip(fixed, flowing):
-        assert (a[0].completion_ids, a[0].env_mask, a[0].calls) == (b[0].completion_ids, b[0].env_mask, b[0].calls)
-    assert all(r[0].calls for r, budget in zip(flowing, budgets) if budget > 6)  # tool results in joined rows too
-
-    def sample():
-        return generate_with_tools(
-            model, tok, prompts, ts, budgets, batch_size=3, temperature=1.0, seed=5, num_samples=2,
-            return_logprobs=True, continuous_batching=True,
-        )
-
-    sampled, again = sample(), sample()
-    assert [[(r.completion_ids, r.logprobs) for r in rs] for rs in sampled] == [
-        [(r.completion_ids, r.logprobs) for r in rs] for rs in again
-    ]
-    for roll in (r for rs in sampled for r in rs):
-        ids = torch.tensor([roll.prompt_ids + roll.completion_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, len(roll.prompt_ids) - 1 : -1].float(), dim=-1)
-        forced = logp.gather(1, ids[0, len(roll.prompt_ids) :, None])[:, 0].tolist()
-        for k, (mask, recorded) in enumerate(zip(roll.env_mask, roll.logprobs)):
-            assert (recorded is None) == (mask == 0)
-            if mask:
-                assert abs(recorded - forced[k]) < 1e-4, (k, recorded, forced[k])
-
-
 def test_growing_layer_matches_dynamic_layer_operation_by_operation():
     from transformers.cache_utils import DynamicLayer
 

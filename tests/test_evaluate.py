@@ -132,22 +132,3 @@ def test_generate_drops_ended_rows_and_matches_one_generate_call():
     assert sampled == generate(
         model, tok, prompts, batch_size=16, max_new_tokens=max_new, temperature=1.0, num_samples=3, seed=1
     )  # seeded
-
-
-@pytest.mark.parametrize("continuous", [True, False])
-def test_eval_continuous_batching_reaches_the_tool_loop(monkeypatch, continuous):
-    """eval.continuous_batching is what the evaluation hands the tool loop (whose own test shows what it does)."""
-    import torch
-
-    from agentrl.config import validate_params
-    from agentrl.stages import evaluate
-    from conftest import mini_params
-
-    seen = {}
-    monkeypatch.setattr(evaluate, "generate_with_tools", lambda *args, **kw: seen.update(kw) or [])
-    p = mini_params()
-    p["eval"]["continuous_batching"] = continuous
-    tokenizer = type("Tokenizer", (), {"eos_token": "<|im_end|>"})()
-    rows = [{**row, "prompt": [{"role": "user", "content": row["question"]}]} for row in ROWS]
-    evaluate._generate_rollouts(validate_params(p), "sft", torch.nn.Linear(1, 1), tokenizer, rows)
-    assert seen["continuous_batching"] is continuous and seen["batch_size"] == p["eval"]["batch_size"]

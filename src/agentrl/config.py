@@ -220,7 +220,6 @@ class EvalParams(Strict):
     top_p: float = Field(gt=0, le=1)
     samples_per_problem: int = Field(ge=1, le=1024)
     linear_kernels: Literal["aten", "onednn"]  # the evaluated model's Linear kernels on the CPU
-    continuous_batching: bool  # queued problems join a batch in flight as its rows end (agent/loop.py)
 
     @model_validator(mode="after")
     def _sampling(self) -> "EvalParams":

@@ -15,9 +15,7 @@ of a row that is waiting for a tool. `_settle_rows` then decides each row in tur
 tool_limit, a serving hook), or the environment's response to its calls is appended (`_respond`: never sampled,
 env_mask 0, logprob None; a multi-turn environment's observations come back this way too), or it continues as
 it is. `_extend` adds the continuing rows' responses as one right-aligned block (the gap masked out) and drops
-the ended rows from the batch and its cache; the next call prefills only the new tokens. With
-`continuous_batching`, queued prompts then take the ended rows' places (`_join`: prefilled on their own, their
-cache stacked under the batch's), so the batch stays near batch_size rows instead of draining to its longest row.
+the ended rows from the batch and its cache; the next call prefills only the new tokens.
 """
 
 from __future__ import annotations
@@ -215,29 +213,6 @@ class _GrowingLayer(DynamicLayer):
             self._k, self._v = self._k[indices, ...], self._v[indices, ...]
             self._view()
 
-    def drop_front(self, count: int) -> None:
-        """Forget the first `count` positions (every row's attention mask is 0 there)."""
-        self._k, self._v = self._k[..., count:, :], self._v[..., count:, :]
-        self._len -= count
-        self._view()
-
-    def stack_rows(self, other: "_GrowingLayer", pad_self: int, pad_other: int) -> None:
-        """`other`'s rows below this layer's, each left-padded with zeros to one length (the caller's attention
-        mask masks the padding out; zeros, not empty memory, since 0 x NaN would still reach the output)."""
-        length = self._len + pad_self
-        if other._len + pad_other != length:
-            raise ValueError(f"stack_rows: lengths {self._len}+{pad_self} and {other._len}+{pad_other} differ")
-        rows = self.keys.shape[0]
-        shape = (rows + other.keys.shape[0], *self.keys.shape[1:-2], 2 * length, self.keys.shape[-1])
-        self._k, self._v = self.keys.new_empty(shape), self.values.new_empty(shape)
-        for buffer, mine, theirs in ((self._k, self.keys, other.keys), (self._v, self.values, other.values)):
-            buffer[:rows, ..., :pad_self, :] = 0
-            buffer[:rows, ..., pad_self:length, :] = mine
-            buffer[rows:, ..., :pad_other, :] = 0
-            buffer[rows:, ..., pad_other:length, :] = theirs
-        self._len = length
-        self._view()
-
 
 def _new_cache(model, gen_kw: dict):
     """An empty KV cache for a batch of the loop: the DynamicCache `generate` would make for the model, with its
@@ -433,52 +408,6 @@ def _start_batch(
     return _Batch(rolls, [budgets[i] for i, _ in keys], keys, ids, mask, list(range(len(rolls))))
 
 
-def _joinable(batch: _Batch) -> bool:
-    """Whether new rows can join the batch: its cache is the loop's own (_GrowingLayers throughout), filled."""
-    layers = getattr(batch.cache, "layers", None)
-    return bool(layers) and all(type(layer) is _GrowingLayer and layer.is_initialized for layer in layers)
-
-
-def _join(model, batch: _Batch, new: _Batch, pad: int, gen_kw: dict) -> None:
-    """Continuous batching: the rows of `new` (fresh prompts, at least 2 tokens each) join `batch` in flight.
-    Their prompts but the last token are prefilled on their own, at the positions `generate` would give them
-    (from the mask); the two caches are stacked, each left-padded (masked out) to one length; and each new row's
-    last prompt token goes to the last column, where the next `generate` call continues from, right-aligned with
-    the batch's own tokens that are not in the cache yet (the gap before it masked out)."""
-    cache, prompt = _new_cache(model, gen_kw), new.ids.shape[1] - 1
-    positions = (new.mask.long().cumsum(-1) - 1).masked_fill(new.mask == 0, 0)
-    model.get_decoder()(
-        input_ids=new.ids[:, :-1],
-        attention_mask=new.mask[:, :-1],
-        position_ids=positions[:, :-1],
-        past_key_values=cache,
-        use_cache=True,
-    )
-    # the positions no row attends to any more (the rows that read them left): without this, a batch that never
-    # empties would attend over every position since it began
-    unread = min(int(batch.mask.any(dim=0).long().argmax()), batch.cache.get_seq_length())
-    if unread:
-        for layer in batch.cache.layers:
-            layer.drop_front(unread)
-        batch.ids, batch.mask = batch.ids[:, unread:], batch.mask[:, unread:]
-    cached = batch.cache.get_seq_length()
-    length, tail = max(cached, prompt), batch.ids.shape[1] - cached
-    for mine, theirs in zip(batch.cache.layers, cache.layers):
-        mine.stack_rows(theirs, length - cached, length - prompt)
-
-    def padded(x: torch.Tensor, left: int, right: int, value: int) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (left, right), value=value)
-
-    ids = torch.cat([padded(new.ids[:, :-1], length - prompt, tail - 1, pad), new.ids[:, -1:]], dim=1)
-    mask = torch.cat([padded(new.mask[:, :-1], length - prompt, tail - 1, 0), new.mask[:, -1:]], dim=1)
-    batch.ids = torch.cat([padded(batch.ids, length - cached, 0, pad), ids])
-    batch.mask = torch.cat([padded(batch.mask, length - cached, 0, 0), mask])
-    batch.active += [len(batch.rolls) + r for r in range(len(new.rolls))]
-    batch.rolls += new.rolls
-    batch.limits += new.limits
-    batch.keys += new.keys
-
-
 def _generate_segment(model, batch: _Batch, stops: _Stops, gen_kw: dict, return_logprobs: bool):
     """One `generate` call from the batch's tokens and cache until `stops` pauses it -> (sequences, the new
     tokens, per row the log-probability of each new token under the sampling distribution or None)."""
@@ -624,7 +553,6 @@ def generate_with_tools(
     return_logprobs: bool = False,
     row_hook=None,
     rows: Optional[list[dict]] = None,
-    continuous_batching: bool = False,
     **generate_kwargs,
 ) -> list[list[Rollout]]:
     """Completions for `prompts` (chat message lists, rendered strings or token id lists): `num_samples`
@@ -636,7 +564,7 @@ def generate_with_tools(
     (finish_reason 'stop'). `rows` (one dataset row per prompt) reset each completion's own environment
     instance (`toolset.episode(row)`): two completions never share state. An observation that `reset`
     returns is appended to the prompt's last message, each sample's own, as TRL's environment_factory loop does.
-    Long because the Args: below document each of its generation knobs; the body is some 60 lines.
+    Long because the Args: below document each of its generation knobs; the body is some 50 lines.
 
     Args:
         model: the policy (a transformers causal LM).
@@ -654,8 +582,6 @@ def generate_with_tools(
         return_logprobs: record each sampled token's log-probability.
         row_hook: called after every sampled token of a row; True ends the row.
         rows: one dataset row per prompt, to reset each completion's environment.
-        continuous_batching: queued prompts join a batch in flight as its rows end (continuous batching), so
-            the batch stays near batch_size rows; False: each batch runs until its last row ends.
         **generate_kwargs: passed on to model.generate (e.g. min_p, repetition_penalty).
 
     Returns:
@@ -685,25 +611,13 @@ def generate_with_tools(
         torch.manual_seed(seed)
     gen_kw = _generate_kwargs(temperature, top_p, top_k, pad, eos, return_logprobs, generate_kwargs)
     out: list[list[Rollout]] = [[] for _ in prompts]
-    queue = list(order)
-    bar = tqdm(total=len(order), desc=desc, leave=False, disable=not desc)
-
-    def take(count: int, require_width: int = 1) -> Optional[_Batch]:
-        """The queue's next `count` prompts as a batch (their Rollouts go to `out`), or None when their encoded
-        width is under `require_width` (they stay queued)."""
-        idx = queue[:count]
+    starts = range(0, len(order), batch_size)
+    for start in tqdm(starts, desc=desc, leave=False) if desc else starts:
+        idx = order[start : start + batch_size]
         enc = _encode_batch(tokenizer, [inputs[i] for i in idx], pad)
-        if enc["input_ids"].shape[1] < require_width:
-            return None
-        del queue[:count]
-        bar.update(len(idx))
         batch = _start_batch(enc, idx, num_samples, device, episodes, budgets, return_logprobs)
         for (i, _), roll in zip(batch.keys, batch.rolls):
             out[i].append(roll)
-        return batch
-
-    while queue:
-        batch = take(batch_size)
         while batch.active:
             stops = _Stops(batch, eos, tokenizer, fmt, trigger_ids, PRUNE_SHARE, row_hook)
             seqs, new, lp = _generate_segment(model, batch, stops, gen_kw, return_logprobs)
@@ -711,14 +625,8 @@ def generate_with_tools(
             if not keep:
                 break
             _extend(batch, seqs, new_mask, keep, inserts, pad)
-            room = (batch_size * num_samples - len(batch.active)) // num_samples  # prompts whose rows fit
-            if continuous_batching and queue and room > 0 and _joinable(batch):
-                joining = take(room, require_width=2)  # the last prompt token waits for the batch's next call
-                if joining is not None:
-                    _join(model, batch, joining, pad, gen_kw)
         for roll in batch.rolls:
             roll.text = tokenizer.decode(roll.completion_ids, skip_special_tokens=True)
-    bar.close()
     if group > 1:
         out = [[rolls[0] for rolls in out[i : i + group]] for i in range(0, len(out), group)]
     return out

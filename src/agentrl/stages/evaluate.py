@@ -355,11 +355,10 @@ def _generate_rollouts(params: Params, name: str, model, tokenizer, rows: list[d
     """
     settings = params.eval
     log.info(
-        "%s: %d held-out problems, batch %d%s, %s, max_new_tokens %d, device %s",
+        "%s: %d held-out problems, batch %d, %s, max_new_tokens %d, device %s",
         name,
         len(rows),
         settings.batch_size,
-        " (continuous: problems join as rows end)" if settings.continuous_batching else "",
         "greedy" if settings.temperature == 0 else f"T={settings.temperature}",
         settings.max_new_tokens,
         next(model.parameters()).device,
@@ -379,7 +378,6 @@ def _generate_rollouts(params: Params, name: str, model, tokenizer, rows: list[d
         desc=f"eval {name}",
         chat_template_kwargs=toolset.chat_template_kwargs() if toolset else None,
         rows=rows,
-        continuous_batching=settings.continuous_batching,
     )
     return rollouts, toolset
 
