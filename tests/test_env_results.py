@@ -83,3 +83,23 @@ def test_refuses_to_overwrite_another_runs_results_unless_forced(tmp_path):
     forced = copy_results(tmp_path, "env-x", "out", "--force")
     assert forced.returncode == 0 and "replaced (--force): eval_sft.json" in forced.stderr
     assert json.loads((tmp_path / "out/eval_sft.json").read_text()) == {"accuracy": 0.5}
+
+
+def test_of_several_runs_of_one_name_the_one_on_head_is_copied(tmp_path):
+    """`make real` re-run after a commit leaves two experiments of one name (refs/exps/<baseline>/<name>): the one
+    on the checked-out commit is the run that just finished; with none or two there, nothing is guessed."""
+    make_repo_with_experiment(tmp_path)  # env-x on a baseline that is not HEAD
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, check=True, capture_output=True, text=True)
+    head = head.stdout.strip()
+    (tmp_path / "metrics/eval_sft.json").write_text('{"accuracy": 0.7}')
+    git(tmp_path, "commit", "-qam", "the run on HEAD")
+    git(tmp_path, "update-ref", f"refs/exps/{head[:2]}/{head[2:]}/env-x", "HEAD")
+    git(tmp_path, "reset", "-q", "--hard", "HEAD~1")
+    run = copy_results(tmp_path, "env-x", "out")
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "out/eval_sft.json").read_text()) == {"accuracy": 0.7}
+    git(tmp_path, "update-ref", "-d", f"refs/exps/{head[:2]}/{head[2:]}/env-x")
+    git(tmp_path, "update-ref", "refs/exps/12/3456/env-x", "refs/exps/ab/cdef/env-x")
+    refused = copy_results(tmp_path, "env-x", "fresh")
+    assert refused.returncode != 0 and "2 experiments named 'env-x'" in refused.stderr
+    assert "refs/exps/12/3456/env-x" in refused.stderr and "0 of them on HEAD" in refused.stderr

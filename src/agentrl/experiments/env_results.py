@@ -37,17 +37,25 @@ def git(*args: str) -> str:
 
 
 def exp_ref(name: str) -> str:
-    """The git ref of the experiment `name` (refs/exps/.../<name>), the only one of that name.
+    """The git ref of the experiment `name` (refs/exps/<baseline>/<name>): the only one of that name, or of several
+    the only one run on the checked-out commit (`make real` re-run after a commit: the run that just finished).
 
     Returns:
-        The ref; SystemExit when there is none or more than one.
+        The ref; SystemExit when there is none, or several and not exactly one of them on HEAD.
     """
     refs = [r for r in git("for-each-ref", "refs/exps", "--format=%(refname)").split() if r.rsplit("/", 1)[-1] == name]
     if not refs:
         raise SystemExit(f"no experiment named {name!r} (dvc exp list --all-commits shows the ones there are)")
-    if len(refs) > 1:
-        raise SystemExit(f"{len(refs)} experiments named {name!r}: remove the old ones (dvc exp remove {name})")
-    return refs[0]
+    if len(refs) == 1:
+        return refs[0]
+    head = git("rev-parse", "HEAD").strip()
+    on_head = [r for r in refs if r.startswith(f"refs/exps/{head[:2]}/{head[2:]}/")]
+    if len(on_head) == 1:
+        return on_head[0]
+    raise SystemExit(
+        f"{len(refs)} experiments named {name!r} ({', '.join(refs)}), {len(on_head)} of them on HEAD {head[:7]}: "
+        f"remove the old ones (git update-ref -d <ref>, or dvc exp remove --rev <baseline> {name})"
+    )
 
 
 def declared_metrics() -> list[str]:
