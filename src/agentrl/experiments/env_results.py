@@ -54,7 +54,7 @@ def exp_ref(name: str) -> str:
         return on_head[0]
     raise SystemExit(
         f"{len(refs)} experiments named {name!r} ({', '.join(refs)}), {len(on_head)} of them on HEAD {head[:7]}: "
-        f"remove the old ones (git update-ref -d <ref>, or dvc exp remove --rev <baseline> {name})"
+        "remove the old ones (git update-ref -d <ref>)"
     )
 
 
